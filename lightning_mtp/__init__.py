@@ -1,0 +1,8 @@
+"""lightning-mtp: multi-token prediction heads, losses, callbacks and speculative decoding for PyTorch Lightning."""
+
+from lightning_mtp.config import MTPConfig
+from lightning_mtp.mixin import MTPForward, MTPLossOutput, MTPMixin
+
+__version__ = "0.1.0"
+
+__all__ = ["MTPConfig", "MTPForward", "MTPLossOutput", "MTPMixin", "__version__"]

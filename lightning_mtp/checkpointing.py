@@ -1,0 +1,136 @@
+"""MTP metadata in checkpoints, and loading checkpoints whose MTP heads differ from the module's.
+
+A checkpoint carries ``checkpoint["mtp"]`` (plain types only, so ``torch.load(weights_only=True)`` reads it): the
+depth, the architecture, the whole ``MTPConfig`` and the runtime schedule state (λ, per-depth weights, active depth,
+draft temperatures). Loading a checkpoint trained with another depth, or a plain checkpoint without MTP weights,
+fills the missing MTP weights from the module's fresh initialisation and drops the extra ones, and says which: it is
+never a silent mismatch. Resuming a *fit* across such a mismatch is refused, because the optimizer state cannot match.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+CHECKPOINT_KEY = "mtp"
+FORMAT_VERSION = 1
+MTP_PREFIXES = ("mtp_modules.", "mtp_output_heads.")
+
+
+@dataclass
+class LoadReport:
+    """Which MTP weights a load had to create fresh (``new``) or leave out (``dropped``)."""
+
+    new: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    checkpoint_depth: Optional[int] = None
+    checkpoint_architecture: Optional[str] = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.new and not self.dropped
+
+    def summary(self) -> str:
+        def groups(keys: list[str]) -> str:
+            names = sorted({re.sub(r"^(mtp_\w+)\.(\d+)\..*$", lambda m: f"{m[1]}.{m[2]} (depth {int(m[2]) + 1})", k)
+                            for k in keys})
+            return ", ".join(names) if names else "none"
+
+        return (
+            f"checkpoint has MTP depth {self.checkpoint_depth} ({self.checkpoint_architecture}); "
+            f"new (freshly initialised) weights: {groups(self.new)}; dropped weights: {groups(self.dropped)}"
+        )
+
+
+def mtp_metadata(module: Any) -> dict:
+    """Plain-typed description of the module's MTP heads and schedule state."""
+    cfg = module.mtp_config
+    return {
+        "version": FORMAT_VERSION,
+        "depth": cfg.depth,
+        "architecture": cfg.architecture,
+        "config": asdict(cfg),
+        "loss_weight": float(module.mtp_loss_weight),
+        "depth_weights": [float(w) for w in module.mtp_depth_weights],
+        "active_depth": int(module.mtp_active_depth),
+        "draft_temperatures": [float(t) for t in module.mtp_draft_temperatures],
+    }
+
+
+def _is_mtp_key(key: str) -> bool:
+    return key.startswith(MTP_PREFIXES)
+
+
+def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) -> LoadReport:
+    """Make ``checkpoint["state_dict"]`` load into ``module`` and report what differed in the MTP weights.
+
+    Raises:
+        ValueError: when resuming a fit across a depth/architecture mismatch, or when an MTP weight has another
+            shape (a different hidden size).
+    """
+    meta = checkpoint.get(CHECKPOINT_KEY) or {}
+    report = LoadReport(checkpoint_depth=meta.get("depth", 0), checkpoint_architecture=meta.get("architecture"))
+    state = checkpoint.get("state_dict")
+    if state is None:
+        return report
+    own = {k: v for k, v in module.state_dict().items() if _is_mtp_key(k)}
+    saved = {k for k in state if _is_mtp_key(k)}
+    report.new = sorted(set(own) - saved)
+    report.dropped = sorted(saved - set(own))
+    arch = module.mtp_config.architecture
+    arch_changed = report.checkpoint_architecture not in (None, arch)
+    for key in sorted(saved & set(own)):
+        if tuple(state[key].shape) != tuple(own[key].shape):
+            raise ValueError(
+                f"MTP weight {key!r} has shape {tuple(state[key].shape)} in the checkpoint but {tuple(own[key].shape)} "
+                f"in {type(module).__name__}: the checkpoint was trained with another model width or MTP architecture"
+            )
+    if report.clean and not arch_changed:
+        return report
+    if resuming and "optimizer_states" in checkpoint:
+        raise ValueError(
+            f"cannot resume this fit: {report.summary()}, but the module has depth {module.mtp_config.depth} "
+            f"({arch}); the optimizer state cannot match. Start a new fit from the checkpoint's weights "
+            "(--model.init_from PATH) instead of --ckpt_path, or resume with the checkpoint's --model.mtp.depth."
+        )
+    for key in report.new:
+        state[key] = own[key].detach().clone()
+    for key in report.dropped:
+        del state[key]
+    if arch_changed:
+        rank_zero_warn(f"checkpoint MTP architecture {report.checkpoint_architecture!r} differs from {arch!r}")
+    rank_zero_warn(f"Loading MTP weights into {type(module).__name__} (depth {module.mtp_config.depth}): "
+                   f"{report.summary()}")
+    return report
+
+
+def restore_runtime_state(module: Any, checkpoint: dict) -> None:
+    """Restore λ, per-depth weights, active depth and draft temperatures where the depths agree."""
+    meta = checkpoint.get(CHECKPOINT_KEY)
+    if not meta or meta.get("depth") != module.mtp_config.depth:
+        return
+    module.mtp_loss_weight = meta.get("loss_weight", module.mtp_loss_weight)
+    module.mtp_depth_weights = list(meta.get("depth_weights", module.mtp_depth_weights))
+    module.mtp_active_depth = meta.get("active_depth", module.mtp_active_depth)
+    module.mtp_draft_temperatures = list(meta.get("draft_temperatures", module.mtp_draft_temperatures))
+
+
+def load_weights(module: Any, path: str) -> LoadReport:
+    """Load a checkpoint's weights (not its optimizer or loop state) into ``module`` with a report.
+
+    Uses ``torch.load(weights_only=True)``: lightning-mtp checkpoints hold plain types only.
+    """
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if "state_dict" not in checkpoint:
+        checkpoint = {"state_dict": checkpoint}
+    report = reconcile_state_dict(module, checkpoint, resuming=False)
+    missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
+    missing = [k for k in missing if not _is_mtp_key(k)]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit {type(module).__name__}: missing {missing}, unexpected {unexpected}")
+    restore_runtime_state(module, checkpoint)
+    return report

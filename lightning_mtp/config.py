@@ -1,0 +1,100 @@
+"""Typed configuration of the MTP heads and their loss.
+
+Example::
+
+    >>> from lightning_mtp import MTPConfig
+    >>> MTPConfig(depth=3, architecture="parallel", loss_weight=0.1).depth
+    3
+    >>> MTPConfig(depth=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: MTPConfig.depth (--model.mtp.depth) must be >= 1, got 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+ARCHITECTURES = ("cascaded", "parallel")
+
+
+def _fail(field: str, message: str) -> ValueError:
+    return ValueError(f"MTPConfig.{field} (--model.mtp.{field}) {message}")
+
+
+@dataclass
+class MTPConfig:
+    """What MTP heads a module gets and how their loss is weighted.
+
+    Depth ``k`` (1 ≤ k ≤ ``depth``) at position ``i`` predicts token ``t(i+k+1)``; depth 0 is the host's
+    ordinary next-token head.
+    """
+
+    depth: int = 1
+    """D: how many extra future tokens are predicted (D ≥ 1). DeepSeek-V3 released D = 1; Meta used 3 extra heads."""
+
+    architecture: Literal["cascaded", "parallel"] = "cascaded"
+    """``"cascaded"`` (DeepSeek-V3): module k reads h(k-1) and Emb(t(i+k)), strictly causal chain.
+    ``"parallel"`` (Meta 2024, Medusa): D independent blocks on the trunk's last hidden state."""
+
+    loss_weight: float = 0.3
+    """λ: total loss = main loss + λ · mean_k(w_k · L_k). DeepSeek-V3 used 0.3, then 0.1."""
+
+    depth_weights: Optional[list[float]] = None
+    """Initial per-depth weights w_1..w_D (default all 1). Callbacks (``MTPWeightSchedule``) change them during
+    training; the mean above divides by D, so equal weights give DeepSeek-V3's λ/D · Σ L_k."""
+
+    share_embedding: bool = True
+    """Use the host's token embedding inside the cascaded modules (never a copy)."""
+
+    share_output_head: bool = True
+    """Use the host's output projection for every depth (never a copy). ``False`` gives each depth its own head."""
+
+    detach_trunk: bool = False
+    """Stop gradients from the MTP loss into the trunk (and shared embedding/head): retrofit heads onto a trained
+    model, Medusa-1 style. Combine with freezing the trunk to train the heads alone."""
+
+    recompute: bool = False
+    """Recompute the MTP modules' activations in backward (activation checkpointing), in the spirit of Meta's
+    sequential head backward: D extra depths then keep only their inputs alive."""
+
+    loss_chunk_size: int = 4096
+    """Rows of [tokens × vocab] logits materialised at once by the chunked cross-entropy."""
+
+    num_heads: Optional[int] = None
+    """Attention heads of each MTP block (default: the host's)."""
+
+    mlp_ratio: Optional[float] = None
+    """Hidden size multiplier of each MTP block's SwiGLU (default: the host's, else 8/3)."""
+
+    distill_weight: float = 0.0
+    """Weight of the opt-in self-distillation term KL(stop-grad(main at i+k) ‖ depth k at i) that raises
+    acceptance. 0 disables it."""
+
+    ignore_index: int = -100
+    """Target id that is never scored (padding)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
+            raise _fail("depth", f"must be >= 1, got {self.depth!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise _fail("architecture", f"must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if not self.loss_weight >= 0:
+            raise _fail("loss_weight", f"must be >= 0, got {self.loss_weight!r}")
+        if self.depth_weights is not None:
+            if len(self.depth_weights) != self.depth:
+                raise _fail("depth_weights", f"needs one weight per depth ({self.depth}), got {self.depth_weights!r}")
+            if any(not w >= 0 for w in self.depth_weights):
+                raise _fail("depth_weights", f"must all be >= 0, got {self.depth_weights!r}")
+        if self.loss_chunk_size < 1:
+            raise _fail("loss_chunk_size", f"must be >= 1, got {self.loss_chunk_size!r}")
+        if self.num_heads is not None and self.num_heads < 1:
+            raise _fail("num_heads", f"must be >= 1, got {self.num_heads!r}")
+        if self.mlp_ratio is not None and not self.mlp_ratio > 0:
+            raise _fail("mlp_ratio", f"must be > 0, got {self.mlp_ratio!r}")
+        if not self.distill_weight >= 0:
+            raise _fail("distill_weight", f"must be >= 0, got {self.distill_weight!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,119 @@
+"""Chunked linear + cross-entropy in plain torch: the CPU path and the reference of the Triton kernel.
+
+The [tokens × vocab] logits never exist for more than ``chunk_size`` rows at a time. Gradients of the hidden states
+and of the output weight are computed chunk by chunk in the forward pass (as Liger-Kernel does), so backward only
+scales them by the incoming gradient: no logits are kept for backward and no forward is recomputed. All depths that
+share one head go through one call, so a single fp32 weight-gradient buffer serves them all.
+
+Example::
+
+    >>> import torch
+    >>> hidden, weight = torch.randn(10, 8, requires_grad=True), torch.randn(32, 8, requires_grad=True)
+    >>> targets = torch.tensor([1, 2, 3, -100, 5, 6, 7, 8, 9, 10])
+    >>> out = linear_cross_entropy_torch(hidden, weight, targets)
+    >>> reference = torch.nn.functional.cross_entropy(hidden @ weight.T, targets)
+    >>> bool(torch.allclose(out.loss, reference))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+class LinearCrossEntropyOutput(NamedTuple):
+    loss: Tensor
+    """Scalar: Σ_i row_weights[i] · CE_i over rows whose target is not ignored (differentiable)."""
+    row_loss: Tensor
+    """(N,) fp32 per-row cross-entropy, 0 where the target is ignored (detached)."""
+    row_argmax: Tensor
+    """(N,) argmax of each row's logits (detached), for accuracies."""
+
+
+def default_chunk_size(num_rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per chunk so that one chunk of logits is about as large as the hidden states (Liger's rule)."""
+    rows = max(1, (num_rows * hidden_size) // max(vocab_size, 1))
+    return int(min(4096, max(64, 1 << (rows - 1).bit_length())))
+
+
+def resolve_row_weights(targets: Tensor, row_weights: Optional[Tensor], ignore_index: int) -> Tensor:
+    """(N,) fp32 weights, zero on ignored rows; ``None`` means the mean over valid rows."""
+    valid = targets != ignore_index
+    if row_weights is None:
+        return valid.float() / valid.sum().clamp(min=1)
+    return row_weights.float() * valid
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+        # hidden (N, H), weight (V, H), targets (N,), row_weights (N,) fp32, already zero on ignored rows
+        num_rows = hidden.shape[0]
+        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
+        row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
+        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight_grad else None
+        for start in range(0, num_rows, chunk_size):
+            end = min(start + chunk_size, num_rows)
+            h = hidden[start:end]  # (c, H)
+            logits = (h @ weight.t()).float()  # (c, V)
+            target = targets[start:end]
+            valid = target != ignore_index
+            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)  # (c, 1)
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            row_loss[start:end] = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
+            row_argmax[start:end] = logits.argmax(dim=-1)
+            if needs_hidden_grad or needs_weight_grad:
+                # d(CE)/d(logits) = softmax - onehot, scaled by each row's weight; reuse the logits buffer.
+                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+                grad_logits.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad_logits.dtype))
+                grad_logits.mul_(row_weights[start:end].unsqueeze(1))
+                if needs_hidden_grad:
+                    grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+                if needs_weight_grad:
+                    grad_weight.addmm_(grad_logits.t(), h.float())
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return (row_loss * row_weights).sum(), row_loss, row_argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy_torch(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    chunk_size: Optional[int] = None,
+) -> LinearCrossEntropyOutput:
+    """Weighted cross-entropy of ``hidden @ weight.T`` against ``targets`` without materialising all logits.
+
+    Args:
+        hidden: (N, H) final hidden states (after the final norm) of every scored row, any depth.
+        weight: (V, H) output projection.
+        targets: (N,) token ids; ``ignore_index`` rows score 0 and get no gradient.
+        row_weights: (N,) weight of each row's loss. ``None`` gives the mean over valid rows.
+        chunk_size: rows of logits materialised at once; default from :func:`default_chunk_size`.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
+    chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    weights = resolve_row_weights(targets, row_weights, ignore_index)
+    loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, targets, weights, ignore_index, chunk_size
+    )
+    return LinearCrossEntropyOutput(loss, row_loss, row_argmax)

@@ -1,0 +1,170 @@
+"""Llama-style transformer parts shared by the bundled trunk and the MTP modules.
+
+RMSNorm, rotary position embeddings, grouped-query attention with an optional static KV cache, SwiGLU MLP and a
+pre-norm ``Block``. The KV cache is indexed by position (gpt-fast style): every row of a batch writes its new keys at
+its own positions, and a query at position p sees cache slots 0..p only, so rolling back rejected drafts is a length
+change, never a copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos/sin tables of rotary embeddings (Su et al. 2021), each (max_positions, head_dim // 2)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` (B, T, nh, hd) by per-position angles; ``cos``/``sin`` are (B or 1, T, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, nh, hd/2) each, "rotate half" layout
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, hd/2)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class KVCache:
+    """Static key/value cache of one attention layer, indexed by position.
+
+    ``k`` and ``v`` are (B, max_len, n_kv_heads, head_dim). Nothing here tracks lengths: the caller passes the
+    positions it writes, and the causal mask hides every slot beyond a query's own position, so stale entries of
+    rejected drafts are never read and are overwritten by the next accepted tokens.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int, *, device, dtype) -> None:
+        shape = (batch_size, max_len, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k/v (B, T, n_kv, hd) at ``positions`` (B, T); return the cache up to the largest position."""
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
+        self.k[rows, positions] = k.to(self.k.dtype)
+        self.v[rows, positions] = v.to(self.v.dtype)
+        end = int(positions.max()) + 1
+        return self.k[:, :end], self.v[:, :end]  # (B, S, n_kv, hd)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep only the rows in ``index`` (used when finished rows leave a batch)."""
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None) -> None:
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if dim % n_heads:
+            raise ValueError(f"hidden size {dim} is not divisible by n_heads={n_heads}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, nh, hd)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin)  # (B, T, nkv, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        gqa = self.n_kv_heads != self.n_heads
+        if cache is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+            )  # (B, nh, T, hd)
+        else:
+            k_all, v_all = cache.write(positions, k, v)  # (B, S, nkv, hd)
+            slots = torch.arange(k_all.shape[1], device=x.device)
+            visible = slots.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # (B, 1, T, S)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=visible, enable_gqa=gqa
+            )
+        return self.proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP of Llama: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def mlp_hidden_size(dim: int, ratio: float, multiple_of: int = 32) -> int:
+    """SwiGLU width: ``ratio · dim`` rounded up to a multiple (8/3 keeps parameters equal to a 4× GELU MLP)."""
+    return multiple_of * math.ceil(ratio * dim / multiple_of)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int], mlp_hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = Attention(dim, n_heads, n_kv_heads)
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = SwiGLU(dim, mlp_hidden)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class RotaryTable(nn.Module):
+    """Holds the cos/sin tables and looks them up for training (contiguous) or cached decoding (per-row)."""
+
+    def __init__(self, max_positions: int, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        cos, sin = rope_cache(max_positions, head_dim, base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, length: int, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """(1, T, hd/2) tables for positions 0..T-1, or (B, T, hd/2) for explicit ``positions`` (B, T)."""
+        if positions is None:
+            if length > self.cos.shape[0]:
+                raise ValueError(f"sequence of {length} tokens exceeds the model's context of {self.cos.shape[0]}")
+            return self.cos[:length].unsqueeze(0), self.sin[:length].unsqueeze(0)
+        if int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} exceeds the model's context of {self.cos.shape[0]}")
+        return self.cos[positions], self.sin[positions]

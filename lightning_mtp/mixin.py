@@ -1,0 +1,403 @@
+"""``MTPMixin``: adds multi-token prediction heads and their loss to an existing LightningModule.
+
+The host keeps its model; the mixin needs exactly three things from it:
+
+1. ``mtp_token_embedding()`` -> the token embedding module (``nn.Embedding``), shared with the cascaded modules;
+2. ``mtp_output_head()`` -> the vocabulary projection (``nn.Linear``), shared by every depth, and
+   ``mtp_final_norm()`` -> the trunk's final norm (default: identity) used for the next-token loss;
+3. ``mtp_trunk_hidden_states(input_ids)`` -> the trunk's last hidden state (B, T, H), before the final norm.
+
+Example::
+
+    import lightning as L
+    from torch import nn
+    from lightning_mtp import MTPConfig, MTPMixin
+
+    class TinyLM(MTPMixin, L.LightningModule):
+        def __init__(self, vocab=256, dim=64):
+            super().__init__(mtp=MTPConfig(depth=2))
+            self.embed = nn.Embedding(vocab, dim)
+            self.trunk = nn.GRU(dim, dim, batch_first=True)  # any causal trunk
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def mtp_token_embedding(self): return self.embed
+        def mtp_output_head(self): return self.head
+        def mtp_final_norm(self): return self.norm
+        def mtp_trunk_hidden_states(self, input_ids): return self.trunk(self.embed(input_ids))[0]
+
+        def configure_optimizers(self): ...
+
+The default ``training_step``/``validation_step`` take batches of token ids (a tensor, or a dict with
+``input_ids`` and optional ``labels``). Hosts with their own ``training_step`` call :meth:`MTPMixin.compute_mtp_loss`
+with their hidden states and add its ``loss`` to theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_mtp import checkpointing
+from lightning_mtp.config import MTPConfig
+from lightning_mtp.heads import build_mtp_modules
+from lightning_mtp.layers import RotaryTable, mlp_hidden_size
+from lightning_mtp.loss import DepthLosses, DepthRows, depth_targets, weighted_depth_loss
+from lightning_mtp.metrics import MTPMetrics, log_custom_scalars_layout
+
+LossTerm = Callable[["MTPMixin", "MTPForward"], Tensor]
+
+
+@dataclass
+class MTPForward:
+    """What one MTP forward produced; handed to registered loss terms (callbacks)."""
+
+    input_ids: Tensor  # (B, T)
+    labels: Tensor  # (B, T), ignore_index on padding
+    trunk_hidden: Tensor  # (B, T, H) h_0, before the final norm
+    depth_hidden: list[Tensor]  # per active depth k: (B, T-k-1, H) after the depth's output norm
+    main_hidden: Optional[Tensor] = None  # (B, T-1, H) final-normed trunk states, when the main loss is computed
+
+
+@dataclass
+class MTPLossOutput:
+    """Result of :meth:`MTPMixin.compute_mtp_loss` and :meth:`MTPMixin.compute_lm_loss`."""
+
+    loss: Tensor
+    """Differentiable total: λ · mean_k(w_k · L_k) [+ main loss when computed] + registered terms."""
+    mtp_loss: Tensor
+    """Detached λ · mean_k(w_k · L_k)."""
+    depth_losses: Tensor
+    """(D,) detached mean loss of each depth; 0 for inactive depths."""
+    main_loss: Optional[Tensor] = None
+    extra_terms: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    forward: Optional[MTPForward] = None
+    losses: Optional[DepthLosses] = None  # raw per-row predictions/targets, entry 0 = main when computed
+
+
+class MTPMixin:
+    """Multi-token prediction for a LightningModule; see the module docstring for what the host provides."""
+
+    def __init__(self, *args: Any, mtp: Union[MTPConfig, dict, None] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(mtp, dict):
+            mtp = MTPConfig(**mtp)
+        self.mtp_config: MTPConfig = mtp if mtp is not None else MTPConfig()
+        # Runtime schedule state, driven by callbacks and saved in checkpoints.
+        self.mtp_loss_weight: float = self.mtp_config.loss_weight
+        self.mtp_depth_weights: list[float] = list(self.mtp_config.depth_weights or [1.0] * self.mtp_config.depth)
+        self.mtp_active_depth: int = self.mtp_config.depth
+        self.mtp_draft_temperatures: list[float] = [1.0] * self.mtp_config.depth
+        self._mtp_loss_terms: dict[str, LossTerm] = {}
+        self.mtp_modules: Optional[nn.ModuleList] = None
+        self.mtp_output_heads: Optional[nn.ModuleList] = None
+        self.mtp_load_report: Optional[checkpointing.LoadReport] = None
+
+    # ----------------------------------------------------------------- what the host provides
+    def mtp_token_embedding(self) -> nn.Embedding:
+        raise NotImplementedError(f"{type(self).__name__} must implement mtp_token_embedding() for MTPMixin")
+
+    def mtp_output_head(self) -> nn.Linear:
+        raise NotImplementedError(f"{type(self).__name__} must implement mtp_output_head() for MTPMixin")
+
+    def mtp_final_norm(self) -> nn.Module:
+        return nn.Identity()
+
+    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement mtp_trunk_hidden_states(input_ids) to use MTPMixin's default "
+            "training_step; hosts with their own training_step call compute_mtp_loss(hidden, input_ids) instead"
+        )
+
+    def mtp_block_spec(self) -> dict:
+        """Shape of each MTP block: ``dim``, ``n_heads``, ``n_kv_heads``, ``mlp_hidden``, ``eps``, ``max_positions``.
+
+        Hosts with attention heads or a context length of their own override this; the default infers the width from
+        the embedding and uses 64-wide heads.
+        """
+        dim = self.mtp_token_embedding().embedding_dim
+        n_heads = self.mtp_config.num_heads or max(1, dim // 64)
+        ratio = self.mtp_config.mlp_ratio or 8 / 3
+        return dict(dim=dim, n_heads=n_heads, n_kv_heads=None, mlp_hidden=mlp_hidden_size(dim, ratio), eps=1e-6,
+                    max_positions=4096)
+
+    def mtp_vocab_size(self) -> int:
+        return self.mtp_output_head().out_features
+
+    # ----------------------------------------------------------------- construction
+    def configure_model(self) -> None:
+        """Build the MTP modules once (idempotent), so that DeepSpeed ZeRO-3 can partition them."""
+        super().configure_model()
+        if self.mtp_modules is not None:
+            return
+        spec = self.mtp_block_spec()
+        cfg = self.mtp_config
+        self.mtp_modules = build_mtp_modules(
+            cfg.architecture, cfg.depth, spec["dim"], spec["n_heads"], spec["n_kv_heads"], spec["mlp_hidden"],
+            spec["eps"],
+        )
+        if not cfg.share_output_head:
+            self.mtp_output_heads = nn.ModuleList(
+                nn.Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
+            )
+        self.mtp_rope = RotaryTable(spec["max_positions"], spec["dim"] // spec["n_heads"])
+        self.mtp_metrics = MTPMetrics(cfg.depth, self.mtp_vocab_size(), cfg.ignore_index)
+        embed = self.mtp_token_embedding()
+        device = embed.weight.device if embed.weight.device.type != "meta" else None
+        if device is not None:
+            self.mtp_modules.to(device)
+            self.mtp_rope.to(device)
+            self.mtp_metrics.to(device)
+            if self.mtp_output_heads is not None:
+                self.mtp_output_heads.to(device)
+
+    def register_mtp_loss_term(self, name: str, term: LossTerm) -> None:
+        """Add ``term(module, forward) -> scalar`` to the training loss; it is logged as ``train/mtp/<name>``."""
+        self._mtp_loss_terms[name] = term
+
+    def _require_modules(self) -> nn.ModuleList:
+        if self.mtp_modules is None:
+            self.configure_model()
+        return self.mtp_modules
+
+    # ----------------------------------------------------------------- forward
+    def mtp_depth_head_weight(self, depth: int) -> Tensor:
+        """(V, H) output weight used by ``depth`` (0 = the trunk's own head)."""
+        if depth == 0 or self.mtp_output_heads is None:
+            return self.mtp_output_head().weight
+        return self.mtp_output_heads[depth - 1].weight
+
+    def mtp_depth_logits(self, depth: int, hidden: Tensor) -> Tensor:
+        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V)."""
+        normed = self.mtp_modules[depth - 1].norm(hidden)
+        head = self.mtp_output_head() if self.mtp_output_heads is None else self.mtp_output_heads[depth - 1]
+        return head(normed)
+
+    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
+        """Run every active depth on teacher-forced tokens; returns per-depth normed hidden states.
+
+        hidden: (B, T, H) trunk's last hidden state h_0. Depth k covers positions 0..T-k-2, the ones with a target.
+        """
+        modules = self._require_modules()
+        cfg = self.mtp_config
+        B, T = input_ids.shape
+        if T < cfg.depth + 2:
+            raise ValueError(
+                f"sequence length {T} is shorter than MTPConfig.depth + 2 = {cfg.depth + 2}: depth {cfg.depth} "
+                "would have no target (raise --data.seq_len or lower --model.mtp.depth)"
+            )
+        labels = input_ids if labels is None else labels
+        trunk = hidden.detach() if cfg.detach_trunk else hidden
+        embeddings = None
+        if cfg.architecture == "cascaded":
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_trunk):
+                embeddings = self.mtp_token_embedding()(input_ids)  # (B, T, H)
+        cos, sin = self.mtp_rope(T)
+        previous = trunk
+        depth_hidden = []
+        for k in range(1, self.mtp_active_depth + 1):
+            length = T - k - 1
+            module = modules[k - 1]
+            h_in = previous[:, :length] if cfg.architecture == "cascaded" else trunk[:, :length]
+            emb_in = embeddings[:, k : k + length] if embeddings is not None else None  # Emb(t(i+k))
+            run = functools.partial(_run_depth, module, cos[:, :length], sin[:, :length])
+            if cfg.recompute and torch.is_grad_enabled():
+                out, normed = checkpoint(run, h_in, emb_in, use_reentrant=False)
+            else:
+                out, normed = run(h_in, emb_in)
+            depth_hidden.append(normed)
+            previous = out
+        return MTPForward(input_ids, labels, hidden, depth_hidden)
+
+    def _depth_rows(self, fwd: MTPForward) -> list[DepthRows]:
+        active = self.mtp_active_depth
+        scale = self.mtp_loss_weight / max(active, 1)
+        return [
+            DepthRows(k, fwd.depth_hidden[k - 1], depth_targets(fwd.labels, k, fwd.depth_hidden[k - 1].shape[1]),
+                      scale * self.mtp_depth_weights[k - 1])
+            for k in range(1, active + 1)
+        ]
+
+    def _finish(self, fwd: MTPForward, rows: list[DepthRows], with_main: bool) -> MTPLossOutput:
+        cfg = self.mtp_config
+        weights = [self.mtp_depth_head_weight(r.depth) for r in rows]
+        shared = self.mtp_output_heads is None
+        head_weight = weights[0] if shared else weights
+        if cfg.detach_trunk and shared:
+            # The MTP loss must not move the shared head; the main loss (if any) still does.
+            mtp_losses = weighted_depth_loss(rows[int(with_main):], head_weight.detach(), cfg.ignore_index,
+                                             self._mtp_chunk_size())
+            main_losses = (
+                weighted_depth_loss(rows[:1], head_weight, cfg.ignore_index, self._mtp_chunk_size())
+                if with_main else None
+            )
+            losses = _concat_losses(main_losses, mtp_losses)
+        else:
+            losses = weighted_depth_loss(rows, head_weight, cfg.ignore_index, self._mtp_chunk_size())
+        per_depth = losses.per_depth[int(with_main):]
+        depth_losses = torch.zeros(cfg.depth, device=per_depth.device)
+        depth_losses[: per_depth.shape[0]] = per_depth
+        mtp_weighted = sum(r.weight * per_depth[i] for i, r in enumerate(rows[int(with_main):]))
+        total = losses.loss
+        extra = {}
+        if torch.is_grad_enabled():
+            for name, term in self._mtp_loss_terms.items():
+                extra[name] = term(self, fwd)
+                total = total + extra[name]
+        return MTPLossOutput(
+            loss=total,
+            mtp_loss=torch.as_tensor(mtp_weighted, device=per_depth.device).detach(),
+            depth_losses=depth_losses,
+            main_loss=losses.per_depth[0] if with_main else None,
+            extra_terms={k: v.detach() for k, v in extra.items()},
+            forward=fwd,
+            losses=losses,
+        )
+
+    def _mtp_chunk_size(self) -> Optional[int]:
+        return self.mtp_config.loss_chunk_size if self.mtp_config.loss_chunk_size != MTPConfig.loss_chunk_size else None
+
+    def compute_mtp_loss(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
+        """The weighted MTP loss for hosts that keep their own ``training_step``.
+
+        Args:
+            hidden: (B, T, H) the trunk's last hidden state (before the final norm).
+            input_ids: (B, T) token ids.
+            labels: (B, T) targets aligned with ``input_ids`` (``ignore_index`` on padding); default ``input_ids``.
+
+        Returns:
+            ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
+            ``depth_losses`` (D,) for logging.
+        """
+        fwd = self.mtp_forward(hidden, input_ids, labels)
+        return self._finish(fwd, self._depth_rows(fwd), with_main=False)
+
+    def compute_lm_loss(self, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
+        """Next-token loss plus the MTP loss, through one chunked cross-entropy over all depths."""
+        hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
+        fwd = self.mtp_forward(hidden, input_ids, labels)
+        fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
+        main = DepthRows(0, fwd.main_hidden, depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0)
+        return self._finish(fwd, [main, *self._depth_rows(fwd)], with_main=True)
+
+    # ----------------------------------------------------------------- Lightning steps
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        out = self.compute_lm_loss(input_ids, labels)
+        self._log_mtp(out, "train", input_ids.shape[0])
+        return out.loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        out = self.compute_lm_loss(input_ids, labels)
+        self._log_mtp(out, "val", input_ids.shape[0])
+        return out.loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        out = self.compute_lm_loss(input_ids, labels)
+        self._log_mtp(out, "test", input_ids.shape[0])
+        return out.loss
+
+    def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:
+        on_step = stage == "train"
+        sync = stage != "train"
+        values = {f"{stage}/loss": out.loss.detach(), f"{stage}/mtp/loss": out.mtp_loss}
+        if out.main_loss is not None:
+            values[f"{stage}/main/loss"] = out.main_loss
+        for k in range(1, self.mtp_active_depth + 1):
+            values[f"{stage}/mtp/loss_depth{k}"] = out.depth_losses[k - 1]
+        for name, value in out.extra_terms.items():
+            values[f"{stage}/mtp/{name}"] = value
+        self.log_dict(values, on_step=on_step, on_epoch=not on_step, prog_bar=False, batch_size=batch_size,
+                      sync_dist=sync)
+        self.log(f"{stage}_loss", out.loss.detach(), on_step=on_step, on_epoch=not on_step, prog_bar=True,
+                 batch_size=batch_size, sync_dist=sync, logger=False)
+        metrics = self.mtp_metrics.accuracies(stage)
+        first = 0 if out.main_loss is not None else None
+        for i, (pred, target) in enumerate(zip(out.losses.predictions, out.losses.targets)):
+            depth = i if first == 0 else i + 1
+            metric = metrics[depth]
+            metric(pred, target)  # forward: updates the epoch state and caches the batch value for on_step
+            name = f"{stage}/main/acc" if depth == 0 else f"{stage}/mtp/acc_depth{depth}"
+            self.log(name, metric, on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
+
+    # ----------------------------------------------------------------- lifecycle hooks
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None:
+            return
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        model_vocab = self.mtp_vocab_size_hint()
+        if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+            raise ValueError(
+                f"the data's vocabulary ({data_vocab} tokens, --data.vocab_size / --data.tokenizer) is larger than "
+                f"the model's ({model_vocab}, --model.vocab_size)"
+            )
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len < self.mtp_config.depth + 2:
+            raise ValueError(
+                f"--data.seq_len={seq_len} is shorter than --model.mtp.depth + 2 = {self.mtp_config.depth + 2}: "
+                "the deepest MTP depth would have no target"
+            )
+
+    def mtp_vocab_size_hint(self) -> Optional[int]:
+        """The model's vocabulary size before ``configure_model`` may have run; ``None`` when unknown."""
+        try:
+            return self.mtp_vocab_size()
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        log_custom_scalars_layout(self.loggers, self.mtp_config.depth)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._require_modules()
+        fitting = self._trainer is not None and self.trainer.training
+        self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
+        checkpointing.restore_runtime_state(self, checkpoint)
+
+
+def _run_depth(module: nn.Module, cos: Tensor, sin: Tensor, hidden: Tensor, embedding: Optional[Tensor]):
+    """One depth's module and output norm: the unit of activation recomputation. Returns (h_k, norm(h_k))."""
+    out = module(hidden, embedding, cos, sin)
+    return out, module.norm(out)
+
+
+def _concat_losses(main: Optional[DepthLosses], mtp: DepthLosses) -> DepthLosses:
+    if main is None:
+        return mtp
+    return DepthLosses(
+        main.loss + mtp.loss,
+        torch.cat([main.per_depth, mtp.per_depth]),
+        torch.cat([main.valid_counts, mtp.valid_counts]),
+        main.predictions + mtp.predictions,
+        main.targets + mtp.targets,
+    )
+
+
+def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:
+    """Token ids and labels from a tensor (B, T) or a dict with ``input_ids`` and optional ``labels``/``attention_mask``."""
+    if isinstance(batch, Tensor):
+        return batch, None
+    if isinstance(batch, (list, tuple)):
+        return batch[0], (batch[1] if len(batch) > 1 else None)
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        labels = (input_ids if labels is None else labels).masked_fill(mask == 0, ignore_index)
+    return input_ids, labels

@@ -1,0 +1,240 @@
+"""The bundled host: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA) with MTP heads and a KV cache.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_mtp import MTPConfig
+    >>> from lightning_mtp.models import CausalLM, ModelConfig
+    >>> model = CausalLM(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4), MTPConfig(depth=2))
+    >>> model.configure_model()
+    >>> out = model.compute_lm_loss(torch.randint(0, 64, (2, 16)))
+    >>> out.depth_losses.shape
+    torch.Size([2])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_mtp import checkpointing
+from lightning_mtp.config import MTPConfig
+from lightning_mtp.layers import Block, KVCache, RMSNorm, RotaryTable, mlp_hidden_size
+from lightning_mtp.mixin import MTPMixin
+
+
+@dataclass
+class ModelConfig:
+    """Size of the bundled decoder. The defaults give about 6M parameters (plus the MTP modules)."""
+
+    vocab_size: int = 4096
+    """Output vocabulary; must be ≥ the tokenizer's (--data.vocab_size)."""
+    dim: int = 256
+    """Hidden size H."""
+    n_layers: int = 6
+    """Transformer blocks of the trunk."""
+    n_heads: int = 4
+    """Attention heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (default: ``n_heads``, i.e. multi-head attention)."""
+    mlp_ratio: float = 8 / 3
+    """SwiGLU width as a multiple of ``dim``."""
+    max_seq_len: int = 1024
+    """Context length (RoPE table and largest KV cache)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_base: float = 10000.0
+    """RoPE frequency base."""
+    tie_embeddings: bool = True
+    """Share the token embedding and the output head (one weight)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} (--model.model.{name}) must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig.dim={self.dim} (--model.model.dim) must be divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(
+                f"ModelConfig.n_kv_heads={self.n_kv_heads} (--model.model.n_kv_heads) must divide n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head size dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
+
+
+class CausalLM(MTPMixin, L.LightningModule):
+    """Llama-style decoder-only LM trained with next-token + MTP loss.
+
+    Args:
+        model: decoder size.
+        mtp: the MTP heads and loss.
+        learning_rate: AdamW peak learning rate.
+        weight_decay: AdamW decoupled weight decay on matrices (not on norms or embeddings).
+        warmup_steps: linear warmup, then cosine decay to 10% over the run.
+        init_from: a checkpoint whose weights start this fit (MTP heads of another depth are reported and
+            reinitialised); unlike ``--ckpt_path`` it does not resume optimizer or loop state.
+    """
+
+    def __init__(
+        self,
+        model: Optional[ModelConfig] = None,
+        mtp: Optional[MTPConfig] = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        init_from: Optional[str] = None,
+    ) -> None:
+        model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
+        super().__init__(mtp=mtp)
+        if not learning_rate > 0:
+            raise ValueError(f"--model.learning_rate must be > 0, got {learning_rate!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"--model.weight_decay must be >= 0, got {weight_decay!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"--model.warmup_steps must be >= 0, got {warmup_steps!r}")
+        self.model_config = model
+        self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
+        self.init_from = init_from
+        # Plain types only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters({
+            "model": asdict(model), "mtp": asdict(self.mtp_config), "learning_rate": learning_rate,
+            "weight_decay": weight_decay, "warmup_steps": warmup_steps, "init_from": init_from,
+        })
+        self.embed: Optional[nn.Embedding] = None
+
+    # ----------------------------------------------------------------- construction
+    def configure_model(self) -> None:
+        if self.embed is None:
+            cfg = self.model_config
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+            hidden = mlp_hidden_size(cfg.dim, cfg.mlp_ratio)
+            self.layers = nn.ModuleList(
+                Block(cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden, cfg.norm_eps) for _ in range(cfg.n_layers)
+            )
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            if cfg.tie_embeddings:
+                # One weight for input and output embeddings (Press & Wolf 2017, https://arxiv.org/abs/1608.05859).
+                self.lm_head.weight = self.embed.weight
+            self.rope = RotaryTable(cfg.max_seq_len + self.mtp_config.depth + 1, cfg.dim // cfg.n_heads, cfg.rope_base)
+            self._init_weights([self.embed, self.layers, self.norm, self.lm_head])
+        built_mtp = self.mtp_modules is None
+        super().configure_model()
+        if built_mtp:
+            self._init_weights([self.mtp_modules] + ([self.mtp_output_heads] if self.mtp_output_heads else []))
+            if self.init_from and self._trainer is not None:  # a fit, not load_from_checkpoint
+                self.mtp_load_report = checkpointing.load_weights(self, self.init_from)
+
+    def _init_weights(self, modules: list[nn.Module]) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 · n_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.model_config.n_layers)
+        for root in modules:
+            for name, module in root.named_modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)) and not hasattr(module.weight, "ds_id"):
+                    std = residual_std if name.endswith(("proj", "down")) and not name.endswith("eh_proj") else 0.02
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def _ensure_built(self) -> None:
+        if self.embed is None or self.mtp_modules is None:
+            self.configure_model()
+
+    # ----------------------------------------------------------------- what MTPMixin needs
+    def mtp_token_embedding(self) -> nn.Embedding:
+        return self.embed
+
+    def mtp_output_head(self) -> nn.Linear:
+        return self.lm_head
+
+    def mtp_final_norm(self) -> nn.Module:
+        return self.norm
+
+    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
+        return self(input_ids)
+
+    def mtp_block_spec(self) -> dict:
+        cfg = self.model_config
+        return dict(
+            dim=cfg.dim,
+            n_heads=self.mtp_config.num_heads or cfg.n_heads,
+            n_kv_heads=None if self.mtp_config.num_heads else cfg.n_kv_heads,
+            mlp_hidden=mlp_hidden_size(cfg.dim, self.mtp_config.mlp_ratio or cfg.mlp_ratio),
+            eps=cfg.norm_eps,
+            max_positions=cfg.max_seq_len + self.mtp_config.depth + 1,
+        )
+
+    def mtp_vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ----------------------------------------------------------------- trunk
+    def forward(
+        self, input_ids: Tensor, positions: Optional[Tensor] = None, caches: Optional[list[KVCache]] = None
+    ) -> Tensor:
+        """Trunk's last hidden state (B, T, H), before the final norm.
+
+        Training: ``positions`` and ``caches`` are ``None`` (causal attention over the sequence). Decoding:
+        ``positions`` (B, T) are each row's cache slots for these tokens, and ``caches`` one :class:`KVCache` per layer.
+        """
+        self._ensure_built()
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model_config.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {self.model_config.vocab_size}), got range "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        cos, sin = self.rope(input_ids.shape[1], positions)
+        x = self.embed(input_ids)  # (B, T, H)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, None if caches is None else caches[i])
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits (B, T, V) from trunk hidden states."""
+        return self.lm_head(self.norm(hidden))
+
+    def allocate_kv_caches(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> list[KVCache]:
+        """One static cache per trunk layer, ``max_len`` slots each."""
+        self._ensure_built()
+        cfg = self.model_config
+        n_kv = cfg.n_kv_heads or cfg.n_heads
+        dtype = dtype or self.embed.weight.dtype
+        return [
+            KVCache(batch_size, max_len, n_kv, cfg.dim // cfg.n_heads, device=self.embed.weight.device, dtype=dtype)
+            for _ in range(cfg.n_layers)
+        ]
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_seq_len
+
+    # ----------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.learning_rate, betas=(0.9, 0.95),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        warmup = self.warmup_steps
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def load_causal_lm(path: str, **overrides: Union[MTPConfig, dict]) -> CausalLM:
+    """Load a ``CausalLM`` checkpoint with ``weights_only=True``; ``overrides`` replace saved init arguments."""
+    return CausalLM.load_from_checkpoint(path, map_location="cpu", weights_only=True, **overrides)

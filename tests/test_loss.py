@@ -1,0 +1,130 @@
+"""The MTP loss against a naive reference: full logits, rolled targets, explicit per-depth means."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_mtp.kernels import linear_cross_entropy_torch
+
+IGNORE = -100
+
+
+def naive_depth_logits(model, input_ids):
+    """Per depth k (0..D) the (B, T, V) logits at every position, computed over the full sequence.
+
+    Unlike the library (which slices each depth to the positions that have a target), this runs every module on
+    all T positions, feeding wrapped ("rolled", Megatron-style) embeddings past the end.
+    """
+    cfg = model.mtp_config
+    T = input_ids.shape[1]
+    h0 = model(input_ids)
+    logits = [model.lm_head(model.norm(h0))]
+    cos, sin = model.mtp_rope(T)
+    previous = h0
+    for k in range(1, cfg.depth + 1):
+        module = model.mtp_modules[k - 1]
+        emb = model.embed(torch.roll(input_ids, shifts=-k, dims=1))  # Emb(t(i+k)), wrapped past the end
+        h_in = previous if cfg.architecture == "cascaded" else h0
+        out = module(h_in, emb, cos, sin)
+        logits.append(model.lm_head(module.norm(out)))
+        previous = out
+    return logits
+
+
+def naive_loss(model, input_ids, labels):
+    cfg = model.mtp_config
+    T = input_ids.shape[1]
+    per_depth = []
+    for k, logits in enumerate(naive_depth_logits(model, input_ids)):
+        targets = torch.full_like(labels, IGNORE)
+        targets[:, : T - k - 1] = labels[:, k + 1 :]
+        rows = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
+                               ignore_index=IGNORE)
+        valid = (targets != IGNORE).sum()
+        per_depth.append(rows.sum() / valid.clamp(min=1))
+    depth_weights = torch.tensor(model.mtp_depth_weights)
+    mtp = model.mtp_loss_weight * (depth_weights * torch.stack(per_depth[1:])).sum() / cfg.depth
+    return per_depth[0] + mtp, per_depth
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_loss_and_gradients_match_naive_reference(make_tiny_model, architecture, recompute):
+    model = make_tiny_model(depth=3, architecture=architecture, recompute=recompute, loss_weight=0.7)
+    model.mtp_depth_weights = [1.0, 0.8, 0.64]
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 61, (3, 12))
+    labels = input_ids.clone()
+    labels[0, 5:] = IGNORE  # padding at the end of row 0
+    labels[1, 2] = IGNORE  # a hole in row 1
+
+    out = model.compute_lm_loss(input_ids, labels)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    ref_total, ref_depths = naive_loss(model, input_ids, labels)
+    ref_grads = torch.autograd.grad(ref_total, list(model.parameters()))
+
+    torch.testing.assert_close(out.loss, ref_total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.main_loss, ref_depths[0].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.depth_losses, torch.stack(ref_depths[1:]).detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_depth_without_valid_target_gives_zero_not_nan(make_tiny_model):
+    model = make_tiny_model(depth=2)
+    input_ids = torch.randint(0, 61, (2, 6))
+    labels = input_ids.clone()
+    labels[:, 3:] = IGNORE  # depth 2 (targets t(i+3)) has no valid target left
+    out = model.compute_lm_loss(input_ids, labels)
+    assert out.depth_losses[1] == 0
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_attention_mask_masks_padding(make_tiny_model):
+    model = make_tiny_model(depth=2)
+    input_ids = torch.randint(0, 61, (2, 10))
+    mask = torch.ones_like(input_ids)
+    mask[1, 7:] = 0
+    from lightning_mtp.mixin import unpack_batch
+
+    ids, labels = unpack_batch({"input_ids": input_ids, "attention_mask": mask})
+    assert (labels[1, 7:] == IGNORE).all() and (labels[0] == input_ids[0]).all()
+
+
+def test_sequence_shorter_than_depth_plus_two_fails(make_tiny_model):
+    model = make_tiny_model(depth=3)
+    with pytest.raises(ValueError, match="depth \\+ 2"):
+        model.compute_lm_loss(torch.randint(0, 61, (1, 4)))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_cross_entropy_matches_torch(weighted):
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 24, requires_grad=True)
+    weight = torch.randn(257, 24, requires_grad=True)
+    targets = torch.randint(0, 257, (37,))
+    targets[[0, 5, 6, 7, 8]] = IGNORE
+    row_weights = torch.rand(37) if weighted else None
+    out = linear_cross_entropy_torch(hidden, weight, targets, row_weights, chunk_size=8)
+    rows = F.cross_entropy(hidden @ weight.T, targets, reduction="none", ignore_index=IGNORE)
+    valid = targets != IGNORE
+    ref = (rows * row_weights * valid).sum() if weighted else rows.sum() / valid.sum()
+    torch.testing.assert_close(out.loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.row_argmax[valid], (hidden @ weight.T).argmax(-1)[valid])
+    g = torch.autograd.grad(3.0 * out.loss, [hidden, weight])
+    g_ref = torch.autograd.grad(3.0 * ref, [hidden, weight])
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_all_ignored_rows_give_zero_loss_and_gradient():
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(13, 8, requires_grad=True)
+    out = linear_cross_entropy_torch(hidden, weight, torch.full((9,), IGNORE), chunk_size=4)
+    assert out.loss.item() == 0
+    out.loss.backward()
+    assert hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0

@@ -1,0 +1,153 @@
+"""MTPMixin: causality, gradient flow into shared weights, detached trunk, custom hosts, idempotent construction."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mtp import MTPConfig, MTPMixin
+
+
+def depth_logits(model, input_ids):
+    """[(B, T-k-1, V) for k = 0..D]: the prediction of every (depth, position) that has a target."""
+    hidden = model(input_ids)
+    fwd = model.mtp_forward(hidden, input_ids)
+    main = model.lm_head(model.norm(hidden[:, :-1]))
+    return [main] + [model.lm_head(h) for h in fwd.depth_hidden]
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_changing_a_token_changes_no_prediction_of_it_or_earlier(make_tiny_model, architecture):
+    model = make_tiny_model(depth=3, architecture=architecture)
+    torch.manual_seed(0)
+    T = 14
+    input_ids = torch.randint(0, 61, (1, T))
+    before = depth_logits(model, input_ids)
+    for j in range(T):
+        changed = input_ids.clone()
+        changed[0, j] = (changed[0, j] + 1) % 61
+        after = depth_logits(model, changed)
+        for k, (a, b) in enumerate(zip(before, after)):
+            for i in range(a.shape[1]):
+                target = i + k + 1
+                same = torch.allclose(a[0, i], b[0, i], atol=1e-6)
+                if target <= j:
+                    assert same, f"depth {k} position {i} (target t({target})) saw t({j})"
+                elif i >= j:
+                    # the token is in this prediction's context, so it should matter (sanity of the test itself)
+                    assert not same, f"depth {k} position {i} ignored t({j})"
+
+
+def test_mtp_loss_alone_reaches_shared_embedding_and_head(make_tiny_model):
+    model = make_tiny_model(depth=2, architecture="cascaded", tie_embeddings=False)
+    input_ids = torch.randint(0, 61, (2, 10))
+    out = model.compute_mtp_loss(model(input_ids), input_ids)
+    out.loss.backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    assert model.embed.weight.grad.abs().sum() > 0
+    assert model.layers[0].attn.qkv.weight.grad.abs().sum() > 0
+    # the shared modules are the trunk's own: no copies were made
+    assert model.mtp_depth_head_weight(2) is model.lm_head.weight
+    assert all(p is not model.embed.weight for n, p in model.mtp_modules.named_parameters())
+
+
+def test_detach_trunk_keeps_mtp_gradient_out_of_trunk(make_tiny_model):
+    model = make_tiny_model(depth=2, detach_trunk=True)
+    input_ids = torch.randint(0, 61, (2, 10))
+    out = model.compute_mtp_loss(model(input_ids), input_ids)
+    out.loss.backward()
+    assert model.layers[0].attn.qkv.weight.grad is None
+    assert model.embed.weight.grad is None or model.embed.weight.grad.abs().sum() == 0
+    assert model.mtp_modules[0].eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_unshared_heads_are_separate_and_trained(make_tiny_model):
+    model = make_tiny_model(depth=2, share_output_head=False)
+    assert len(model.mtp_output_heads) == 2
+    out = model.compute_lm_loss(torch.randint(0, 61, (2, 10)))
+    out.loss.backward()
+    assert model.mtp_output_heads[1].weight.grad.abs().sum() > 0
+
+
+def test_configure_model_is_idempotent(make_tiny_model):
+    model = make_tiny_model(depth=2)
+    modules = model.mtp_modules
+    n_params = sum(p.numel() for p in model.parameters())
+    model.configure_model()
+    assert model.mtp_modules is modules
+    assert sum(p.numel() for p in model.parameters()) == n_params
+
+
+class GRUTrunkHost(MTPMixin, L.LightningModule):
+    """A host that is not ours: a GRU trunk (the mixin docstring's example), using the default training_step."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32):
+        super().__init__(mtp=MTPConfig(depth=2, num_heads=4))
+        self.embed = nn.Embedding(vocab, dim)
+        self.trunk = nn.GRU(dim, dim, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.calls = []
+
+    def mtp_token_embedding(self):
+        return self.embed
+
+    def mtp_output_head(self):
+        return self.head
+
+    def mtp_final_norm(self):
+        return self.norm
+
+    def mtp_trunk_hidden_states(self, input_ids):
+        return self.trunk(self.embed(input_ids))[0]
+
+    def configure_model(self):
+        self.calls.append("host")
+        super().configure_model()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class GRUHost(GRUTrunkHost):
+    """The same host with a training_step of its own that adds compute_mtp_loss to its loss."""
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.mtp_trunk_hidden_states(batch)
+        logits = self.head(self.norm(hidden[:, :-1]))
+        main = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        mtp = self.compute_mtp_loss(hidden, batch)
+        self.log("train/mtp/loss_depth1", mtp.depth_losses[0])
+        return main + mtp.loss
+
+
+def test_foreign_host_with_its_own_training_step_trains(tmp_path):
+    host = GRUHost()
+    data = torch.utils.data.DataLoader(torch.randint(0, 50, (16, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    before = host.head.weight.detach().clone()
+    trainer.fit(host, data)
+    assert host.calls == ["host"]
+    assert host.mtp_modules is not None and len(host.mtp_modules) == 2
+    assert not torch.equal(before, host.head.weight)
+    assert "train/mtp/loss_depth1" in trainer.logged_metrics
+
+
+def test_default_training_step_on_foreign_host(tmp_path):
+    host = GRUTrunkHost()
+    data = torch.utils.data.DataLoader(torch.randint(0, 50, (8, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    trainer.fit(host, data)
+    assert {"train/mtp/loss_depth2", "train/main/loss", "train/mtp/acc_depth1"} <= set(trainer.logged_metrics)
+
+
+def test_host_missing_accessors_gets_clear_error():
+    class Bare(MTPMixin, L.LightningModule):
+        pass
+
+    with pytest.raises(NotImplementedError, match="mtp_token_embedding"):
+        Bare().configure_model()
