@@ -1,0 +1,331 @@
+"""Finding, capping and splitting the text files a model trains on.
+
+The default corpus (``--data.corpus null``) is the Python standard library of the running interpreter: real,
+varied code that every machine already has. Any directory, glob pattern or single file works as well.
+
+Example::
+
+    >>> from lightning_mtp.data.corpus import find_corpus_files, split_files, stdlib_root
+    >>> files = find_corpus_files(None)
+    >>> any(f.name == "os.py" for f in files)
+    True
+    >>> train, val = split_files(files, val_fraction=0.05, seed=1234, root=stdlib_root())
+    >>> len(train) + len(val) == len(files) and not set(train) & set(val)
+    True
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CORPUS_FLAG = "--data.corpus"
+
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
+"""Directory names skipped in the default (standard library) corpus: tests, installed packages, legacy tools."""
+
+DIRECTORY_EXCLUDED_DIRS = frozenset({"__pycache__"})
+"""Directory names skipped when ``--data.corpus`` is a directory (hidden directories such as ``.git`` are
+skipped too)."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def stdlib_root() -> Path:
+    """The directory holding the running interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_glob(corpus: str) -> bool:
+    """Whether ``--data.corpus`` is a glob pattern (contains ``*``, ``?`` or ``[``)."""
+    return any(c in _GLOB_CHARS for c in corpus)
+
+
+def corpus_root(corpus: Optional[str]) -> Path:
+    """The directory that file paths are made relative to when splitting (so the split is machine independent).
+
+    The standard library root for ``None``, the directory itself, a file's parent, or the part of a glob pattern
+    before its first wildcard.
+
+    Example::
+
+        >>> corpus_root("src/**/*.py")
+        PosixPath('src')
+    """
+    if corpus is None:
+        return stdlib_root()
+    if is_glob(corpus):
+        parts = Path(corpus).parts
+        fixed = []
+        for part in parts:
+            if is_glob(part):
+                break
+            fixed.append(part)
+        return Path(*fixed) if fixed else Path(".")
+    path = Path(corpus)
+    return path if path.is_dir() else path.parent
+
+
+def check_corpus(corpus: Optional[str]) -> None:
+    """Fail fast (before any reading) when ``--data.corpus`` names a path that does not exist."""
+    if corpus is None:
+        root = stdlib_root()
+        if not root.is_dir():
+            raise ValueError(f"{CORPUS_FLAG}: the default corpus (standard library at {root}) does not exist")
+        return
+    if not isinstance(corpus, str) or not corpus.strip():
+        raise ValueError(f"{CORPUS_FLAG} must be a path, a glob pattern or null, got {corpus!r}")
+    if is_glob(corpus):
+        root = corpus_root(corpus)
+        if not root.is_dir():
+            raise ValueError(f"{CORPUS_FLAG}: the directory {str(root)!r} of glob pattern {corpus!r} does not exist")
+        return
+    if not Path(corpus).exists():
+        raise ValueError(f"{CORPUS_FLAG}: path {corpus!r} does not exist")
+
+
+def _walk(root: Path, excluded: frozenset[str], suffixes: Optional[Sequence[str]]) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in excluded and not d.startswith(".")]
+        for name in filenames:
+            if suffixes is None or name.endswith(tuple(suffixes)):
+                found.append(Path(dirpath) / name)
+    return found
+
+
+def find_corpus_files(corpus: Optional[str], suffixes: Optional[Sequence[str]] = (".py",)) -> list[Path]:
+    """The sorted, non-empty text files of a corpus.
+
+    Args:
+        corpus: ``None`` for the standard library sources (``*.py``, without tests, ``site-packages``, ``idlelib``,
+            ``lib2to3``); a directory (searched recursively for ``suffixes``, hidden and ``__pycache__``
+            directories skipped); a glob pattern (``**`` allowed; the pattern filters instead of ``suffixes``,
+            ``__pycache__`` is skipped, hidden files only match an explicit ``.``); or a single file.
+        suffixes: file name endings read from a directory; ``None`` reads every file.
+
+    Raises:
+        ValueError: naming ``--data.corpus`` when the path does not exist, or nothing non-empty is found.
+
+    Example::
+
+        >>> files = find_corpus_files(None)
+        >>> files == sorted(files) and all(f.suffix == ".py" for f in files)
+        True
+    """
+    check_corpus(corpus)
+    if corpus is None:
+        files = _walk(stdlib_root(), STDLIB_EXCLUDED_DIRS, (".py",) if suffixes is None else suffixes)
+        where = f"the default corpus (standard library at {stdlib_root()})"
+    elif is_glob(corpus):
+        files = [Path(p) for p in glob.glob(corpus, recursive=True)]
+        files = [f for f in files if not DIRECTORY_EXCLUDED_DIRS & set(f.parts[:-1])]
+        where = f"glob pattern {corpus!r}"
+    elif Path(corpus).is_dir():
+        files = _walk(Path(corpus), DIRECTORY_EXCLUDED_DIRS, suffixes)
+        where = f"directory {corpus!r}" + (f" (files ending in {', '.join(suffixes)})" if suffixes else "")
+    else:
+        files = [Path(corpus)]
+        where = f"file {corpus!r}"
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise ValueError(f"{CORPUS_FLAG}: {where} is empty: it has no files")
+    non_empty = sorted(f for f in files if f.stat().st_size > 0)
+    if not non_empty:
+        raise ValueError(f"{CORPUS_FLAG}: {where} is empty: all its {len(files)} file(s) are empty")
+    return non_empty
+
+
+def cap_bytes(files: Sequence[Path], max_bytes: Optional[int] = None) -> dict[Path, int]:
+    """How many bytes to read from each file so that at most ``max_bytes`` are read in all.
+
+    The first files in the given (sorted) order are kept whole; the file that crosses the cap is cut short and the
+    rest are dropped. ``None`` keeps everything.
+
+    Example::
+
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> for name in "abc":
+        ...     _ = (d / name).write_text("x" * 10)
+        >>> list(cap_bytes(sorted(d.iterdir()), max_bytes=15).values())
+        [10, 5]
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"--data.max_bytes must be > 0 (or null for no cap), got {max_bytes!r}")
+    budget: dict[Path, int] = {}
+    left = max_bytes
+    for f in files:
+        size = f.stat().st_size
+        if left is None:
+            budget[f] = size
+            continue
+        if left <= 0:
+            break
+        budget[f] = min(size, left)
+        left -= budget[f]
+    return budget
+
+
+def read_text(path: Path, stop: Optional[int] = None, start: int = 0) -> str:
+    """The text of bytes ``[start, stop)`` of a file (``stop=None``: to the end), decoded as UTF-8 with undecodable
+    bytes replaced. A multi-byte character cut by ``stop`` is dropped rather than replaced."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        data = fh.read() if stop is None else fh.read(max(stop - start, 0))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return decoder.decode(data, final=stop is None)
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Bytes ``[start, stop)`` of one corpus file: the unit that goes to the train or the val split."""
+
+    path: Path
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, path: Path) -> FileSpan:
+        """The whole file."""
+        return cls(Path(path), 0, Path(path).stat().st_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+    def read(self) -> str:
+        """The span's text (see ``read_text``)."""
+        return read_text(self.path, self.stop, self.start)
+
+
+def as_span(item: Union[Path, str, FileSpan]) -> FileSpan:
+    """A ``FileSpan`` as is, or the whole of a file given by path."""
+    return item if isinstance(item, FileSpan) else FileSpan.whole(Path(item))
+
+
+def read_texts(items: Iterable[Union[Path, str, FileSpan]]) -> list[str]:
+    """The text of each file (whole) or span."""
+    return [as_span(item).read() for item in items]
+
+
+def _unit_score(relative: str, seed: int) -> float:
+    digest = hashlib.sha1(f"{seed}\0{relative}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _relative_key(path: Path, root: Optional[Path]) -> str:
+    if root is not None:
+        try:
+            return Path(os.path.relpath(path, root)).as_posix()
+        except ValueError:  # different drive on Windows
+            pass
+    return Path(path).as_posix()
+
+
+def split_files(
+    files: Sequence[Path], val_fraction: float, seed: int, root: Optional[Path] = None
+) -> tuple[list[Path], list[Path]]:
+    """Split files into (train, val) by a stable hash of each file's path relative to ``root``.
+
+    A file goes to val when ``sha1(seed, relative path)`` mapped to [0, 1) is below ``val_fraction``, so each
+    file's side depends only on its own path: adding or removing other files never moves it. With two or more
+    files both sides get at least one (the file with the lowest / highest score is moved over if needed). A single
+    file is returned as ``([file], [])``: ``plan_splits`` then splits inside it (see ``split_point``).
+
+    Args:
+        files: the corpus files, e.g. from ``find_corpus_files``.
+        val_fraction: expected share of files held out, in (0, 1).
+        seed: changes the split.
+        root: paths are hashed relative to it (default: their common directory), so the split is the same on
+            every machine.
+
+    Example::
+
+        >>> fs = [Path(f"/corpus/{i}.py") for i in range(100)]
+        >>> train, val = split_files(fs, 0.1, seed=0)
+        >>> train2, val2 = split_files(fs + [Path("/corpus/new.py")], 0.1, seed=0)
+        >>> set(val) <= set(val2) and set(train) <= set(train2)
+        True
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    files = sorted(dict.fromkeys(Path(f) for f in files))
+    if len(files) <= 1:
+        return list(files), []
+    if root is None:
+        root = Path(os.path.commonpath([str(Path(f).parent) for f in files]))
+    scores = {f: _unit_score(_relative_key(f, root), seed) for f in files}
+    val = [f for f in files if scores[f] < val_fraction]
+    train = [f for f in files if scores[f] >= val_fraction]
+    if not val:
+        moved = min(train, key=lambda f: scores[f])
+        train.remove(moved)
+        val.append(moved)
+    elif not train:
+        moved = max(val, key=lambda f: scores[f])
+        val.remove(moved)
+        train.append(moved)
+    return train, val
+
+
+def split_point(data: bytes, val_fraction: float) -> int:
+    """Byte offset where the held-out tail of a single document starts: about ``val_fraction`` of the bytes are
+    held out, starting at a line start when one is near, else at a UTF-8 character boundary. Used when the corpus is
+    a single file (there is nothing to split by file).
+
+    Example::
+
+        >>> split_point(b"a\\nb\\nc\\nd\\n", 0.25)
+        6
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    if len(data) < 2:
+        raise ValueError(f"{CORPUS_FLAG}: a single file of {len(data)} byte(s) is too short to split in two")
+    cut = min(max(round(len(data) * (1.0 - val_fraction)), 1), len(data) - 1)
+    newline = data.rfind(b"\n", 0, cut)
+    if newline >= 0 and cut - newline <= max(256, len(data) // 100):
+        return newline + 1
+    while cut > 1 and (data[cut] & 0xC0) == 0x80:  # do not start inside a multi-byte character
+        cut -= 1
+    return cut
+
+
+def plan_splits(
+    files: Sequence[Path],
+    val_fraction: float,
+    seed: int,
+    root: Optional[Path] = None,
+    max_bytes: Optional[int] = None,
+) -> tuple[list[FileSpan], list[FileSpan]]:
+    """Which bytes of the corpus are trained on and which are held out.
+
+    Caps the corpus at ``max_bytes`` (``cap_bytes``), then splits it by file (``split_files``). A corpus of a
+    single file is split inside the file instead: its last ``val_fraction`` (``split_point``) is held out.
+
+    Example::
+
+        >>> train, val = plan_splits(find_corpus_files(None), 0.05, seed=0, max_bytes=100_000)
+        >>> sum(s.nbytes for s in train + val)
+        100000
+    """
+    stops = cap_bytes(files, max_bytes)
+    kept = list(stops)
+    if len(kept) == 1:
+        path = kept[0]
+        with open(path, "rb") as fh:
+            data = fh.read(stops[path])
+        cut = split_point(data, val_fraction)
+        return [FileSpan(path, 0, cut)], [FileSpan(path, cut, stops[path])]
+    train, val = split_files(kept, val_fraction, seed, root)
+    return [FileSpan(f, 0, stops[f]) for f in train], [FileSpan(f, 0, stops[f]) for f in val]

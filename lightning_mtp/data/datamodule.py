@@ -1,0 +1,446 @@
+"""``TextDataModule``: a text corpus as fixed windows of token ids, for training, validation and prompting.
+
+Pipeline: find the corpus files → cap at ``max_bytes`` → split train/val by file → train (or load) the tokenizer on
+the train split → tokenize each split, files joined by EOS → cache the ids as ``.npy`` → non-overlapping windows of
+``seq_len`` tokens. Everything derived is cached under ``cache_dir`` and keyed by what it depends on::
+
+    <cache_dir>/tokenizers/bpe-<vocab_size>-<key>.json       trained BPE tokenizers
+    <cache_dir>/tokens/<tokenizer name>-<key>/train.npy      token ids (uint16, or int32 for vocabularies > 65536)
+    <cache_dir>/tokens/<tokenizer name>-<key>/val.npy
+    <cache_dir>/tokens/<tokenizer name>-<key>/meta.json      what was tokenized; written last (marks completion)
+
+Example::
+
+    >>> cache = getfixture("tmp_path")  # any directory
+    >>> dm = TextDataModule(tokenizer="byte", seq_len=64, batch_size=4, max_bytes=50_000, cache_dir=cache)
+    >>> dm.setup("fit")
+    >>> batch = next(iter(dm.train_dataloader()))
+    >>> batch["input_ids"].shape, batch["input_ids"].dtype, dm.vocab_size
+    (torch.Size([4, 64]), torch.int64, 258)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mtp.data.corpus import (
+    FileSpan,
+    check_corpus,
+    corpus_root,
+    find_corpus_files,
+    plan_splits,
+)
+from lightning_mtp.data.tokenizers import (
+    TOKENIZER_KINDS,
+    BPETokenizer,
+    Tokenizer,
+    build_tokenizer,
+    files_fingerprint,
+)
+
+_TOKENS_FORMAT_VERSION = 1
+"""Bump when the token cache layout or the joining of files changes."""
+
+_TOKENIZE_CHUNK = 64
+"""Files encoded per ``encode_batch`` call (bounds peak memory of the encodings)."""
+
+
+def _fail(field: str, message: str) -> ValueError:
+    return ValueError(f"--data.{field} {message}")
+
+
+def _check_int(field: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise _fail(field, f"must be an integer >= {least}, got {value!r}")
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Encode documents and join them with ``tokenizer.eos_id`` between them, as one 1-D array of ids.
+
+    Example::
+
+        >>> from lightning_mtp.data.tokenizers import ByteTokenizer
+        >>> tokenize_documents(["ab", "c"], ByteTokenizer()).tolist()
+        [97, 98, 256, 99]
+    """
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+    parts: list[np.ndarray] = []
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        for ids in tokenizer.encode_batch(list(texts[start : start + _TOKENIZE_CHUNK])):
+            if parts:
+                parts.append(eos)
+            parts.append(np.asarray(ids, dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, array)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; caches may be shared
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class TokenWindowDataset(Dataset):
+    """Non-overlapping windows of ``seq_len`` ids over a 1-D id array; a trailing partial window is dropped.
+
+    Example::
+
+        >>> ds = TokenWindowDataset(np.arange(10, dtype=np.uint16), seq_len=4)
+        >>> len(ds), ds[1]["input_ids"].tolist()
+        (2, [4, 5, 6, 7])
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        index %= len(self)
+        window = self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
+        return {"input_ids": torch.from_numpy(np.asarray(window, dtype=np.int64))}  # [seq_len]
+
+
+class PromptDataset(Dataset):
+    """Tokenized prompts for ``predict``: items ``{"input_ids": LongTensor[L_i], "prompt_text": str}``."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], texts: Sequence[str]) -> None:
+        if len(prompts) != len(texts):
+            raise ValueError(f"PromptDataset: {len(prompts)} prompts but {len(texts)} texts")
+        self.prompts = [list(p) for p in prompts]
+        self.texts = list(texts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": torch.tensor(self.prompts[index], dtype=torch.long), "prompt_text": self.texts[index]}
+
+
+class PromptCollator:
+    """Right-pads prompts of different lengths with ``pad_id``.
+
+    Batch: ``{"input_ids": LongTensor[B, L_max], "lengths": LongTensor[B], "prompt_text": list[str]}``.
+
+    Example::
+
+        >>> batch = PromptCollator(pad_id=0)([{"input_ids": torch.tensor([5, 6, 7]), "prompt_text": "a"},
+        ...                                   {"input_ids": torch.tensor([8]), "prompt_text": "b"}])
+        >>> batch["input_ids"].tolist(), batch["lengths"].tolist()
+        ([[5, 6, 7], [8, 0, 0]], [3, 1])
+    """
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        lengths = torch.tensor([len(item["input_ids"]) for item in items], dtype=torch.long)  # [B]
+        input_ids = torch.full((len(items), int(lengths.max())), self.pad_id, dtype=torch.long)  # [B, L_max]
+        for row, item in enumerate(items):
+            input_ids[row, : len(item["input_ids"])] = item["input_ids"]
+        return {"input_ids": input_ids, "lengths": lengths, "prompt_text": [item["prompt_text"] for item in items]}
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def _unescape(line: str) -> str:
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], line)
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Prompts from a ``.txt`` file (one per line; ``\\n``, ``\\t`` and ``\\\\`` escapes decoded) or a ``.jsonl``
+    file (one ``{"prompt": "..."}`` per line). Blank lines are skipped.
+
+    Raises:
+        ValueError: naming ``--data.predict_prompts`` when the file is missing, malformed or has no prompts.
+    """
+    flag = "--data.predict_prompts"
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{flag}: prompts file {path!r} does not exist")
+    suffix = file.suffix.lower()
+    if suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"{flag}: prompts file {path!r} must end in .txt or .jsonl")
+    prompts = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if suffix == ".txt":
+            prompts.append(_unescape(line))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag}: {path}:{number} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{flag}: {path}:{number} must be an object with a string "prompt", got {line[:80]!r}')
+        if record["prompt"].strip():
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{flag}: prompts file {path!r} has no (non-blank) prompts")
+    return prompts
+
+
+class TextDataModule(L.LightningDataModule):
+    """A text corpus as windows of ``seq_len`` token ids: ``{"input_ids": LongTensor[B, seq_len]}`` batches.
+
+    Args:
+        corpus: a directory, glob pattern or file; ``None`` uses the Python standard library's sources.
+        tokenizer: ``"bpe"`` (byte-level BPE trained on the train split) or ``"byte"`` (raw UTF-8 bytes).
+        vocab_size: BPE vocabulary size incl. special tokens (≥ 258); ignored by ``"byte"`` (always 258).
+        seq_len: tokens per training window (≥ 2).
+        batch_size: windows (or prompts) per batch.
+        val_fraction: share of files held out for validation (a single-file corpus holds out its tail).
+        max_bytes: read at most this many corpus bytes (first files in sorted order), for quick runs.
+        cache_dir: where tokenizers and token ids are cached.
+        num_workers: ``DataLoader`` worker processes.
+        seed: seeds the train/val split and the shuffling of training windows.
+        suffixes: file endings read when ``corpus`` is a directory; ``None`` reads every file.
+        predict_prompts: a ``.txt`` / ``.jsonl`` prompts file for ``predict``; ``None`` takes prompts from the
+            held-out data.
+        num_predict_prompts: how many held-out windows give prompts when ``predict_prompts`` is ``None``.
+        prompt_tokens: how many tokens of each held-out window form its prompt (at most ``seq_len``).
+    """
+
+    def __init__(
+        self,
+        corpus: Optional[str] = None,
+        tokenizer: str = "bpe",
+        vocab_size: int = 4096,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        max_bytes: Optional[int] = None,
+        cache_dir: str = ".cache/lightning_mtp",
+        num_workers: int = 0,
+        seed: int = 1234,
+        suffixes: Optional[tuple[str, ...]] = (".py",),
+        predict_prompts: Optional[str] = None,
+        num_predict_prompts: int = 8,
+        prompt_tokens: int = 32,
+    ) -> None:
+        super().__init__()
+        if tokenizer not in TOKENIZER_KINDS:
+            raise _fail("tokenizer", f"must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
+        if tokenizer == "bpe":
+            BPETokenizer.check_vocab_size(vocab_size)
+        _check_int("seq_len", seq_len, 2)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("num_workers", num_workers, 0)
+        _check_int("num_predict_prompts", num_predict_prompts, 1)
+        _check_int("prompt_tokens", prompt_tokens, 1)
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+            raise _fail("val_fraction", f"must be in (0, 1), got {val_fraction!r}")
+        if max_bytes is not None:
+            _check_int("max_bytes", max_bytes, 1)
+        if isinstance(suffixes, str):
+            raise _fail("suffixes", f"must be a list of file endings such as ['.py'], got the string {suffixes!r}")
+        check_corpus(corpus)
+        if predict_prompts is not None and not Path(predict_prompts).is_file():
+            raise _fail("predict_prompts", f"file {predict_prompts!r} does not exist")
+        self.save_hyperparameters()
+
+        self.corpus = corpus
+        self.tokenizer_kind = tokenizer
+        self.requested_vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = float(val_fraction)
+        self.max_bytes = max_bytes
+        self.cache_dir = Path(cache_dir)
+        self.num_workers = num_workers
+        self.seed = seed
+        self.suffixes = None if suffixes is None else tuple(suffixes)
+        self.predict_prompts = predict_prompts
+        self.num_predict_prompts = num_predict_prompts
+        self.prompt_tokens = prompt_tokens
+
+        self._splits: Optional[tuple[list[FileSpan], list[FileSpan]]] = None
+        self._tokenizer: Optional[Tokenizer] = None
+        self._token_dir: Optional[Path] = None
+        self.train_dataset: Optional[TokenWindowDataset] = None
+        self.val_dataset: Optional[TokenWindowDataset] = None
+        self.train_tokens: Optional[np.ndarray] = None
+        self.val_tokens: Optional[np.ndarray] = None
+
+    # ----------------------------------------------------------------- corpus and tokenizer
+
+    def corpus_splits(self) -> tuple[list[FileSpan], list[FileSpan]]:
+        """The (train, val) file spans of the corpus (found and split once per object)."""
+        if self._splits is None:
+            files = find_corpus_files(self.corpus, self.suffixes)
+            root = corpus_root(self.corpus)
+            self._splits = plan_splits(files, self.val_fraction, self.seed, root, self.max_bytes)
+        return self._splits
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer, built on first use: BPE is trained on the train split, or loaded from the cache."""
+        if self._tokenizer is None:
+            train = self.corpus_splits()[0] if self.tokenizer_kind == "bpe" else []
+            self._tokenizer = build_tokenizer(self.tokenizer_kind, train, self.requested_vocab_size, self.cache_dir)
+        return self._tokenizer
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer (built on demand, see ``load_tokenizer``)."""
+        return self.load_tokenizer()
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's actual vocabulary size incl. special tokens (258 for ``"byte"``; BPE may come out below
+        ``--data.vocab_size`` on a tiny corpus)."""
+        return self.load_tokenizer().vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.load_tokenizer().eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.load_tokenizer().pad_id
+
+    # ----------------------------------------------------------------- token cache
+
+    def token_cache_dir(self) -> Path:
+        """``<cache_dir>/tokens/<tokenizer>-<key>``: the key hashes the files (paths, sizes, mtimes, byte ranges),
+        the tokenizer, ``max_bytes``, ``seed`` and ``val_fraction``."""
+        train, val = self.corpus_splits()
+        tokenizer = self.load_tokenizer()
+        payload = {
+            "train": files_fingerprint(train),
+            "val": files_fingerprint(val),
+            "tokenizer": tokenizer.fingerprint,
+            "max_bytes": self.max_bytes,
+            "seed": self.seed,
+            "val_fraction": self.val_fraction,
+            "format": _TOKENS_FORMAT_VERSION,
+        }
+        key = hashlib.sha1(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+        return self.cache_dir / "tokens" / f"{tokenizer.name}-{key[:16]}"
+
+    def prepare_data(self) -> None:
+        """Find and split the corpus, train/load the tokenizer, tokenize both splits and cache the ids on disk.
+
+        Does nothing beyond hashing file metadata when the cache is already there. Lightning calls it on one process
+        per node; ``setup`` calls it too when it has not run in this process.
+        """
+        self._token_dir = self._prepare()
+
+    def _prepare(self) -> Path:
+        out = self.token_cache_dir()
+        if (out / "meta.json").is_file():
+            return out
+        train, val = self.corpus_splits()
+        tokenizer = self.load_tokenizer()
+        out.mkdir(parents=True, exist_ok=True)
+        counts = {}
+        for split, spans in (("train", train), ("val", val)):
+            ids = tokenize_documents([span.read() for span in spans], tokenizer)
+            _atomic_save_npy(out / f"{split}.npy", ids)
+            counts[split] = {"files": len(spans), "bytes": sum(s.nbytes for s in spans), "tokens": int(ids.size)}
+        meta = {
+            "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+            "corpus": self.corpus,
+            "max_bytes": self.max_bytes,
+            "seed": self.seed,
+            "val_fraction": self.val_fraction,
+            **counts,
+            "val_files": [str(s.path) for s in val],
+        }
+        tmp = out / ".meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        os.replace(tmp, out / "meta.json")
+        return out
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Load the cached ids (preparing them first if needed) and build the window datasets."""
+        if self.train_dataset is not None:
+            return
+        out = self._token_dir or self._prepare()
+        train = np.load(out / "train.npy", mmap_mode="r")
+        val = np.load(out / "val.npy", mmap_mode="r")
+        if len(train) < self.seq_len:
+            raise ValueError(
+                f"--data.seq_len: the train split has {len(train)} tokens, fewer than --data.seq_len={self.seq_len}; "
+                "use a larger --data.corpus / --data.max_bytes or a smaller --data.seq_len"
+            )
+        if len(val) < self.seq_len:
+            raise ValueError(
+                f"--data.val_fraction: the val split has {len(val)} tokens, fewer than --data.seq_len={self.seq_len}; "
+                "raise --data.val_fraction or --data.max_bytes, or lower --data.seq_len"
+            )
+        self.train_tokens, self.val_tokens = train, val
+        self.train_dataset = TokenWindowDataset(train, self.seq_len)
+        self.val_dataset = TokenWindowDataset(val, self.seq_len)
+
+    # ----------------------------------------------------------------- loaders
+
+    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool = False, **kwargs: Any) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled windows (seeded); the last partial batch is dropped when there is at least one full batch."""
+        self.setup("fit")
+        return self._loader(self.train_dataset, shuffle=True, drop_last=len(self.train_dataset) >= self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        """All held-out windows, in order."""
+        self.setup("validate")
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """Same as ``val_dataloader`` (the corpus has no separate test split)."""
+        return self.val_dataloader()
+
+    def prompt_dataset(self) -> PromptDataset:
+        """Prompts from ``--data.predict_prompts``, or the first ``prompt_tokens`` of the first
+        ``num_predict_prompts`` held-out windows."""
+        tokenizer = self.load_tokenizer()
+        if self.predict_prompts is not None:
+            texts = read_prompts_file(self.predict_prompts)
+            return PromptDataset(tokenizer.encode_batch(texts), texts)
+        self.setup("predict")
+        count = min(self.num_predict_prompts, len(self.val_dataset))
+        length = min(self.prompt_tokens, self.seq_len)
+        prompts = [self.val_dataset[i]["input_ids"][:length].tolist() for i in range(count)]
+        return PromptDataset(prompts, [tokenizer.decode(p) for p in prompts])
+
+    def predict_dataloader(self) -> DataLoader:
+        """Batches ``{"input_ids": LongTensor[B, L] right-padded with pad_id, "lengths": LongTensor[B],
+        "prompt_text": list[str]}``."""
+        return self._loader(self.prompt_dataset(), shuffle=False, collate_fn=PromptCollator(self.pad_id))
