@@ -305,6 +305,18 @@ class MTPMixin:
         self._log_mtp(out, "test", input_ids.shape[0])
         return out.loss
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any):
+        """Self-speculative decoding with the MTP heads as drafters; see :func:`lightning_mtp.decoding.generate`."""
+        from lightning_mtp.decoding import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        """Generate for a batch of prompts; returns tokens, texts and decoding stats (see ``decoding.predict_batch``)."""
+        from lightning_mtp.decoding import predict_batch
+
+        return predict_batch(self, batch, **getattr(self, "mtp_generate_kwargs", {}))
+
     def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:
         on_step = stage == "train"
         sync = stage != "train"

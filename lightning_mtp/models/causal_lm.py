@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
+from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.layers import Block, KVCache, RMSNorm, RotaryTable, mlp_hidden_size
 from lightning_mtp.mixin import MTPMixin
 
@@ -79,6 +80,7 @@ class CausalLM(MTPMixin, L.LightningModule):
         warmup_steps: linear warmup, then cosine decay to 10% over the run.
         init_from: a checkpoint whose weights start this fit (MTP heads of another depth are reported and
             reinitialised); unlike ``--ckpt_path`` it does not resume optimizer or loop state.
+        generation: how ``predict_step`` decodes (``lightning-mtp predict``).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class CausalLM(MTPMixin, L.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 100,
         init_from: Optional[str] = None,
+        generation: Optional[GenerationConfig] = None,
     ) -> None:
         model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
         super().__init__(mtp=mtp)
@@ -101,10 +104,14 @@ class CausalLM(MTPMixin, L.LightningModule):
         self.model_config = model
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
         self.init_from = init_from
+        generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
+        self.generation_config = generation or GenerationConfig()
+        self.mtp_generate_kwargs = self.generation_config.to_kwargs()
         # Plain types only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
             "model": asdict(model), "mtp": asdict(self.mtp_config), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "warmup_steps": warmup_steps, "init_from": init_from,
+            "generation": asdict(self.generation_config),
         })
         self.embed: Optional[nn.Embedding] = None
 
