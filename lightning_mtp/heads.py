@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_mtp.layers import Block, KVCache, RMSNorm
 
@@ -47,10 +48,18 @@ class CascadedMTPModule(nn.Module):
         sin: Tensor,
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        recompute_chunks: int = 0,
     ) -> Tensor:
         # hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H)
-        mixed = self.eh_proj(torch.cat([self.enorm(token_embedding), self.hnorm(hidden)], dim=-1))  # (B, T, H)
-        return self.block(mixed, cos, sin, positions, cache)
+        if recompute_chunks and torch.is_grad_enabled():
+            mixed = checkpoint(self.mix, token_embedding, hidden, use_reentrant=False)
+        else:
+            mixed = self.mix(token_embedding, hidden)
+        return self.block(mixed, cos, sin, positions, cache, recompute_chunks)
+
+    def mix(self, token_embedding: Tensor, hidden: Tensor) -> Tensor:
+        """eh_proj([enorm(Emb); hnorm(h)]): (B, T, H) twice -> (B, T, H)."""
+        return self.eh_proj(torch.cat([self.enorm(token_embedding), self.hnorm(hidden)], dim=-1))
 
 
 class ParallelMTPHead(nn.Module):
@@ -79,9 +88,10 @@ class ParallelMTPHead(nn.Module):
         sin: Tensor,
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        recompute_chunks: int = 0,
     ) -> Tensor:
         # hidden: the trunk's h_0 at positions i (B, T, H); the token embedding is unused (same call signature)
-        return self.block(hidden, cos, sin, positions, cache)
+        return self.block(hidden, cos, sin, positions, cache, recompute_chunks)
 
 
 def build_mtp_modules(

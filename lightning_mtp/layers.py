@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +116,28 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+    def head_group(self, x: Tensor, cos: Tensor, sin: Tensor, group: int) -> Tensor:
+        """Causal attention of one key/value head and its query heads, projected to the output (B, T, dim).
+
+        Summing this over all groups equals :meth:`forward` without a cache.
+        """
+        B, T, _ = x.shape
+        per_group = self.n_heads // self.n_kv_heads
+        hd = self.head_dim
+        q_rows = slice(group * per_group * hd, (group + 1) * per_group * hd)
+        k_start = self.n_heads * hd + group * hd
+        v_start = (self.n_heads + self.n_kv_heads) * hd + group * hd
+        weight = self.qkv.weight
+        q = F.linear(x, weight[q_rows]).view(B, T, per_group, hd)  # (B, T, g, hd)
+        k = F.linear(x, weight[k_start : k_start + hd]).view(B, T, 1, hd)
+        v = F.linear(x, weight[v_start : v_start + hd]).view(B, T, 1, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=per_group > 1
+        )  # (B, g, T, hd)
+        return F.linear(out.transpose(1, 2).reshape(B, T, per_group * hd), self.proj.weight[:, q_rows])
+
+
 class SwiGLU(nn.Module):
     """Gated MLP of Llama: down(silu(gate(x)) * up(x))."""
 
@@ -144,10 +167,36 @@ class Block(nn.Module):
         self.mlp = SwiGLU(dim, mlp_hidden)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        recompute_chunks: int = 0,
     ) -> Tensor:
+        """``recompute_chunks`` > 0 checkpoints the attention and MLP sublayers separately, the MLP in that many
+        token chunks, so recomputing this block in backward keeps one sublayer's activations alive at a time."""
+        if recompute_chunks and torch.is_grad_enabled():
+            # Attention heads are independent: one checkpoint per key/value head group, outputs summed after the
+            # output projection, which is linear. Exact up to summation order.
+            attention = None
+            for group in range(self.attn.n_kv_heads):
+                part = checkpoint(self._attention_group, x, cos, sin, group, use_reentrant=False)
+                attention = part if attention is None else attention + part
+            x = x + attention
+            return x + torch.cat(
+                [checkpoint(self._mlp_sublayer, part, use_reentrant=False) for part in x.chunk(recompute_chunks, dim=1)],
+                dim=1,
+            )  # the MLP is position-wise, so token chunks are exact
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+    def _attention_group(self, x: Tensor, cos: Tensor, sin: Tensor, group: int) -> Tensor:
+        return self.attn.head_group(self.attn_norm(x), cos, sin, group)
+
+    def _mlp_sublayer(self, x: Tensor) -> Tensor:
+        return self.mlp(self.mlp_norm(x))
 
 
 class RotaryTable(nn.Module):

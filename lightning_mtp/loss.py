@@ -1,9 +1,13 @@
-"""Per-depth MTP targets, masks and the weighted loss, all depths through one chunked cross-entropy.
+"""Per-depth MTP targets, masks and the weighted loss, computed with chunked cross-entropy.
 
 Depth k at position i predicts t(i+k+1) (depth 0 is the next-token head). With T tokens, depth k has T-k-1 scored
 positions; positions whose target falls past the end are never computed, and targets equal to ``ignore_index``
 (padding) are masked. Each depth's mean is over its own valid count, clamped to ≥ 1, so a depth with no valid target
 contributes 0, never NaN (Megatron-LM #1532 and #2417 came from getting this normalisation wrong).
+
+All depths that share a head are scored by one chunked cross-entropy call with per-row weights w_k / n_k: one fp32
+weight-gradient buffer serves every depth, and no logits are kept for backward. With ``MTPConfig.recompute`` each
+depth's block is activation-checkpointed (:func:`run_depth`), sublayer by sublayer.
 """
 
 from __future__ import annotations
@@ -12,24 +16,82 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mtp.kernels import linear_cross_entropy
 
 
-@dataclass
-class DepthRows:
-    """The scored rows of one depth: normalised hidden states and their targets."""
+def depth_targets(labels: Tensor, depth: int, length: int) -> Tensor:
+    """Targets of depth k for its first ``length`` positions: labels shifted left by k+1. (B, T) -> (B, length)."""
+    return labels[:, depth + 1 : depth + 1 + length]
 
-    depth: int
-    hidden: Tensor  # (B, L, H) after the depth's output norm
+
+@dataclass
+class DepthLossPart:
+    """One depth's scored rows: its share of the differentiable loss and detached per-row results."""
+
+    loss: Tensor  # scalar, weight · mean CE (differentiable)
+    row_loss: Tensor  # (N,) detached CE per row, 0 where ignored
+    row_argmax: Tensor  # (N,) detached predictions
+    targets: Tensor  # (N,)
+    count: Tensor  # scalar, valid rows
+    weight: float  # the depth's coefficient in the total
+
+
+@dataclass
+class DepthLossSpec:
+    """How one depth is scored: its head, targets (B, L), weight in the total and chunking."""
+
+    head_weight: Tensor  # (V, H)
     targets: Tensor  # (B, L)
-    weight: float  # coefficient of this depth's mean loss in the total
+    weight: float
+    ignore_index: int = -100
+    chunk_size: Optional[int] = None
+
+    def row_weights(self, device) -> tuple[Tensor, Tensor, Tensor]:
+        """Flat targets (N,), per-row weights weight / n_valid (N,) and n_valid."""
+        targets = self.targets.reshape(-1)
+        count = (targets != self.ignore_index).sum()
+        scale = torch.as_tensor(self.weight, dtype=torch.float32, device=device) / count.clamp(min=1)
+        return targets, scale.expand(targets.shape[0]), count
+
+
+def score_jointly(specs: Sequence[DepthLossSpec], normed: list[Tensor]) -> list[DepthLossPart]:
+    """Score several depths with one chunked cross-entropy call per distinct head weight.
+
+    ``normed`` holds each depth's (B, L, H) normed hidden states. The list is consumed (emptied) so that, once the
+    rows are concatenated, the per-depth tensors can be freed before the cross-entropy allocates its gradients.
+    """
+    parts: list[Optional[DepthLossPart]] = [None] * len(specs)
+    groups: dict[int, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(id(spec.head_weight), []).append(i)
+    rows = [h.reshape(-1, h.shape[-1]) for h in normed]  # (B*L, H) each
+    normed.clear()
+    for members in groups.values():
+        sizes = [rows[i].shape[0] for i in members]
+        hidden = torch.cat([rows[i] for i in members]) if len(members) > 1 else rows[members[0]]
+        for i in members:
+            rows[i] = None  # the concatenation is the only copy now
+        flat = [specs[i].row_weights(hidden.device) for i in members]
+        first = specs[members[0]]
+        out = linear_cross_entropy(
+            hidden, first.head_weight, torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat]),
+            first.ignore_index, first.chunk_size, overwrite_hidden=len(members) > 1,
+        )
+        del hidden
+        # The joint loss is attributed to the group's first member; the others carry zero (the sum is what counts).
+        losses = [out.loss] + [out.loss.new_zeros(())] * (len(members) - 1)
+        for i, loss, row_loss, row_argmax, (targets, _, count) in zip(
+            members, losses, out.row_loss.split(sizes), out.row_argmax.split(sizes), flat
+        ):
+            parts[i] = DepthLossPart(loss, row_loss, row_argmax, targets, count, specs[i].weight)
+    return parts
 
 
 @dataclass
 class DepthLosses:
-    """Result of :func:`weighted_depth_loss`."""
+    """All scored depths together."""
 
     loss: Tensor
     """Differentiable Σ_k weight_k · mean CE of depth k."""
@@ -38,54 +100,32 @@ class DepthLosses:
     valid_counts: Tensor
     """(n_depths,) scored tokens of each depth."""
     predictions: list[Tensor] = field(default_factory=list)
-    """Per depth (B*L,) argmax predictions, for accuracies."""
+    """Per depth (N,) argmax predictions, for accuracies."""
     targets: list[Tensor] = field(default_factory=list)
-    """Per depth (B*L,) targets, ``ignore_index`` where masked."""
+    """Per depth (N,) targets, ``ignore_index`` where masked."""
 
 
-def depth_targets(labels: Tensor, depth: int, length: int) -> Tensor:
-    """Targets of depth k for its first ``length`` positions: labels shifted left by k+1. (B, T) -> (B, length)."""
-    return labels[:, depth + 1 : depth + 1 + length]
+def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
+    counts = torch.stack([p.count for p in parts])
+    per_depth = torch.stack([p.row_loss.sum() for p in parts]) / counts.clamp(min=1)
+    loss = parts[0].loss
+    for part in parts[1:]:
+        loss = loss + part.loss
+    return DepthLosses(loss, per_depth.detach(), counts, [p.row_argmax for p in parts], [p.targets for p in parts])
 
 
-def weighted_depth_loss(
-    rows: Sequence[DepthRows],
-    head_weight: Tensor | Sequence[Tensor],
-    ignore_index: int = -100,
-    chunk_size: Optional[int] = None,
-) -> DepthLosses:
-    """Σ_k weight_k · mean_k(CE) with each mean over its own valid count.
+MLP_RECOMPUTE_CHUNKS = 4
+"""Token chunks of the MLP when a recomputed depth is recomputed (its SwiGLU activations are the largest)."""
 
-    ``head_weight`` is the shared (V, H) output weight, or one weight per entry of ``rows`` when heads are not
-    shared. A shared head sends every depth through one chunked cross-entropy call: one weight-gradient buffer, and
-    at most one chunk of logits alive at a time.
+
+def run_depth(
+    module: nn.Module, cos: Tensor, sin: Tensor, recompute: bool, hidden: Tensor, embedding: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """One depth: h_k = module(h_(k-1) or h_0, Emb) and its output norm; the unit of activation recomputation.
+
+    When recomputed, the block inside is recomputed sublayer by sublayer (attention per key/value head group, the
+    MLP in token chunks), so its backward keeps one small piece of activations alive at a time.
+    Returns (h_k (B, L, H), norm(h_k)).
     """
-    flat_hidden, flat_targets, flat_weights, sizes = [], [], [], []
-    counts = []
-    for entry in rows:
-        hidden = entry.hidden.reshape(-1, entry.hidden.shape[-1])  # (B*L, H)
-        targets = entry.targets.reshape(-1)  # (B*L,)
-        count = (targets != ignore_index).sum()
-        counts.append(count)
-        # Row weight = depth weight / the depth's own valid count: the weighted sum is then Σ_k w_k · mean_k.
-        scale = torch.as_tensor(entry.weight, dtype=torch.float32, device=hidden.device) / count.clamp(min=1)
-        flat_hidden.append(hidden)
-        flat_targets.append(targets)
-        flat_weights.append(scale.expand(targets.shape[0]))
-        sizes.append(targets.shape[0])
-    counts_t = torch.stack(counts)
-    if isinstance(head_weight, Tensor):
-        out = linear_cross_entropy(
-            torch.cat(flat_hidden), head_weight, torch.cat(flat_targets), torch.cat(flat_weights), ignore_index,
-            chunk_size,
-        )
-        loss, row_loss, row_argmax = out.loss, out.row_loss.split(sizes), out.row_argmax.split(sizes)
-    else:
-        outs = [
-            linear_cross_entropy(h, w, t, rw, ignore_index, chunk_size)
-            for h, w, t, rw in zip(flat_hidden, head_weight, flat_targets, flat_weights)
-        ]
-        loss = torch.stack([o.loss for o in outs]).sum()
-        row_loss, row_argmax = [o.row_loss for o in outs], [o.row_argmax for o in outs]
-    per_depth = torch.stack([r.sum() for r in row_loss]) / counts_t.clamp(min=1)
-    return DepthLosses(loss, per_depth.detach(), counts_t, list(row_argmax), flat_targets)
+    out = module(hidden, embedding, cos, sin, recompute_chunks=MLP_RECOMPUTE_CHUNKS if recompute else 0)
+    return out, module.norm(out)

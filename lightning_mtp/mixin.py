@@ -48,7 +48,15 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.heads import build_mtp_modules
 from lightning_mtp.layers import RotaryTable, mlp_hidden_size
-from lightning_mtp.loss import DepthLosses, DepthRows, depth_targets, weighted_depth_loss
+from lightning_mtp.loss import (
+    DepthLossPart,
+    DepthLosses,
+    DepthLossSpec,
+    combine_parts,
+    depth_targets,
+    run_depth,
+    score_jointly,
+)
 from lightning_mtp.metrics import MTPMetrics, log_custom_scalars_layout
 
 LossTerm = Callable[["MTPMixin", "MTPForward"], Tensor]
@@ -98,6 +106,11 @@ class MTPMixin:
         self.mtp_modules: Optional[nn.ModuleList] = None
         self.mtp_output_heads: Optional[nn.ModuleList] = None
         self.mtp_load_report: Optional[checkpointing.LoadReport] = None
+        self.mtp_distill_weight: float = self.mtp_config.distill_weight
+        if self.mtp_config.distill_weight > 0:
+            from lightning_mtp.distillation import self_distillation_term
+
+            self.register_mtp_loss_term("distill", self_distillation_term)
 
     # ----------------------------------------------------------------- what the host provides
     def mtp_token_embedding(self) -> nn.Embedding:
@@ -129,6 +142,13 @@ class MTPMixin:
 
     def mtp_vocab_size(self) -> int:
         return self.mtp_output_head().out_features
+
+    def mtp_decoding_host(self):
+        """A :class:`lightning_mtp.decoding.DecodingHost` for :meth:`generate`; ``None`` uses the CausalLM adapter.
+
+        Hosts whose trunk keeps its own KV cache (e.g. Hugging Face models) return an adapter here.
+        """
+        return None
 
     # ----------------------------------------------------------------- construction
     def configure_model(self) -> None:
@@ -184,6 +204,23 @@ class MTPMixin:
 
         hidden: (B, T, H) trunk's last hidden state h_0. Depth k covers positions 0..T-k-2, the ones with a target.
         """
+        return self._run_depths(hidden, input_ids, labels, with_loss=False)[0]
+
+    def _score(self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None) -> MTPLossOutput:
+        """Score the main head (if given) and every active depth jointly: one cross-entropy call per head."""
+        hidden = ([fwd.main_hidden] if main is not None else []) + list(fwd.depth_hidden)
+        if not (self._mtp_loss_terms and torch.is_grad_enabled()):
+            # Nothing reads the normed states after scoring: let the scorer free them as soon as they are copied.
+            fwd.main_hidden, fwd.depth_hidden = None, []
+        parts = score_jointly(([main] if main is not None else []) + specs, hidden)
+        main_part = parts.pop(0) if main is not None else None
+        return self._finish(fwd, parts, main_part)
+
+    def _run_depths(
+        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool
+    ) -> tuple[MTPForward, list[DepthLossSpec]]:
+        """The depth loop. With ``recompute`` each depth (block and norm) is one activation-checkpointed unit, so
+        between forward and backward a depth keeps only its input alive."""
         modules = self._require_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
@@ -199,51 +236,38 @@ class MTPMixin:
             with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_trunk):
                 embeddings = self.mtp_token_embedding()(input_ids)  # (B, T, H)
         cos, sin = self.mtp_rope(T)
-        previous = trunk
-        depth_hidden = []
+        recompute = cfg.recompute and torch.is_grad_enabled()
+        scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
+        previous, depth_hidden, specs = trunk, [], []
         for k in range(1, self.mtp_active_depth + 1):
             length = T - k - 1
-            module = modules[k - 1]
             h_in = previous[:, :length] if cfg.architecture == "cascaded" else trunk[:, :length]
             emb_in = embeddings[:, k : k + length] if embeddings is not None else None  # Emb(t(i+k))
-            run = functools.partial(_run_depth, module, cos[:, :length], sin[:, :length])
-            if cfg.recompute and torch.is_grad_enabled():
+            loss_spec = None
+            if with_loss:
+                head_weight = self.mtp_depth_head_weight(k)
+                if cfg.detach_trunk and self.mtp_output_heads is None:
+                    head_weight = head_weight.detach()  # the MTP loss must not move the shared head
+                loss_spec = DepthLossSpec(head_weight, depth_targets(labels, k, length),
+                                          scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
+                                          self._mtp_chunk_size())
+            run = functools.partial(run_depth, modules[k - 1], cos[:, :length], sin[:, :length], recompute)
+            if recompute:
                 out, normed = checkpoint(run, h_in, emb_in, use_reentrant=False)
             else:
                 out, normed = run(h_in, emb_in)
             depth_hidden.append(normed)
+            specs.append(loss_spec)
             previous = out
-        return MTPForward(input_ids, labels, hidden, depth_hidden)
+        return MTPForward(input_ids, labels, hidden, depth_hidden), specs
 
-    def _depth_rows(self, fwd: MTPForward) -> list[DepthRows]:
-        active = self.mtp_active_depth
-        scale = self.mtp_loss_weight / max(active, 1)
-        return [
-            DepthRows(k, fwd.depth_hidden[k - 1], depth_targets(fwd.labels, k, fwd.depth_hidden[k - 1].shape[1]),
-                      scale * self.mtp_depth_weights[k - 1])
-            for k in range(1, active + 1)
-        ]
-
-    def _finish(self, fwd: MTPForward, rows: list[DepthRows], with_main: bool) -> MTPLossOutput:
+    def _finish(self, fwd: MTPForward, parts: list[DepthLossPart], main: Optional[DepthLossPart]) -> MTPLossOutput:
         cfg = self.mtp_config
-        weights = [self.mtp_depth_head_weight(r.depth) for r in rows]
-        shared = self.mtp_output_heads is None
-        head_weight = weights[0] if shared else weights
-        if cfg.detach_trunk and shared:
-            # The MTP loss must not move the shared head; the main loss (if any) still does.
-            mtp_losses = weighted_depth_loss(rows[int(with_main):], head_weight.detach(), cfg.ignore_index,
-                                             self._mtp_chunk_size())
-            main_losses = (
-                weighted_depth_loss(rows[:1], head_weight, cfg.ignore_index, self._mtp_chunk_size())
-                if with_main else None
-            )
-            losses = _concat_losses(main_losses, mtp_losses)
-        else:
-            losses = weighted_depth_loss(rows, head_weight, cfg.ignore_index, self._mtp_chunk_size())
-        per_depth = losses.per_depth[int(with_main):]
+        losses = combine_parts(([main] if main is not None else []) + parts)
+        per_depth = losses.per_depth[int(main is not None):]
         depth_losses = torch.zeros(cfg.depth, device=per_depth.device)
         depth_losses[: per_depth.shape[0]] = per_depth
-        mtp_weighted = sum(r.weight * per_depth[i] for i, r in enumerate(rows[int(with_main):]))
+        mtp_weighted = sum((p.weight * per_depth[i] for i, p in enumerate(parts)), torch.zeros((), device=per_depth.device))
         total = losses.loss
         extra = {}
         if torch.is_grad_enabled():
@@ -252,9 +276,9 @@ class MTPMixin:
                 total = total + extra[name]
         return MTPLossOutput(
             loss=total,
-            mtp_loss=torch.as_tensor(mtp_weighted, device=per_depth.device).detach(),
+            mtp_loss=mtp_weighted.detach(),
             depth_losses=depth_losses,
-            main_loss=losses.per_depth[0] if with_main else None,
+            main_loss=losses.per_depth[0] if main is not None else None,
             extra_terms={k: v.detach() for k, v in extra.items()},
             forward=fwd,
             losses=losses,
@@ -275,16 +299,16 @@ class MTPMixin:
             ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
             ``depth_losses`` (D,) for logging.
         """
-        fwd = self.mtp_forward(hidden, input_ids, labels)
-        return self._finish(fwd, self._depth_rows(fwd), with_main=False)
+        return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True))
 
     def compute_lm_loss(self, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
-        """Next-token loss plus the MTP loss, through one chunked cross-entropy over all depths."""
+        """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked."""
         hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-        fwd = self.mtp_forward(hidden, input_ids, labels)
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
-        main = DepthRows(0, fwd.main_hidden, depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0)
-        return self._finish(fwd, [main, *self._depth_rows(fwd)], with_main=True)
+        main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
+                             self.mtp_config.ignore_index, self._mtp_chunk_size())
+        return self._score(fwd, specs, main)
 
     # ----------------------------------------------------------------- Lightning steps
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -381,24 +405,6 @@ class MTPMixin:
         fitting = self._trainer is not None and self.trainer.training
         self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
         checkpointing.restore_runtime_state(self, checkpoint)
-
-
-def _run_depth(module: nn.Module, cos: Tensor, sin: Tensor, hidden: Tensor, embedding: Optional[Tensor]):
-    """One depth's module and output norm: the unit of activation recomputation. Returns (h_k, norm(h_k))."""
-    out = module(hidden, embedding, cos, sin)
-    return out, module.norm(out)
-
-
-def _concat_losses(main: Optional[DepthLosses], mtp: DepthLosses) -> DepthLosses:
-    if main is None:
-        return mtp
-    return DepthLosses(
-        main.loss + mtp.loss,
-        torch.cat([main.per_depth, mtp.per_depth]),
-        torch.cat([main.valid_counts, mtp.valid_counts]),
-        main.predictions + mtp.predictions,
-        main.targets + mtp.targets,
-    )
 
 
 def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:

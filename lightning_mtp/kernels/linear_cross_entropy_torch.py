@@ -49,13 +49,18 @@ def resolve_row_weights(targets: Tensor, row_weights: Optional[Tensor], ignore_i
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, overwrite_hidden=False):
         # hidden (N, H), weight (V, H), targets (N,), row_weights (N,) fp32, already zero on ignored rows
         num_rows = hidden.shape[0]
         needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
         row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
+        if needs_hidden_grad:
+            # A scratch copy of the hidden states (a concatenation of depths) receives its own gradient, row chunk
+            # by row chunk once the chunk has been used: one (N, H) buffer instead of two.
+            grad_hidden = hidden if overwrite_hidden else torch.empty_like(hidden)
+        else:
+            grad_hidden = None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight_grad else None
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
@@ -72,21 +77,78 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
                 grad_logits.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad_logits.dtype))
                 grad_logits.mul_(row_weights[start:end].unsqueeze(1))
+                if needs_weight_grad:  # before the hidden rows may be overwritten by their gradient
+                    grad_weight.addmm_(grad_logits.t(), h.float())
                 if needs_hidden_grad:
                     grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
-                if needs_weight_grad:
-                    grad_weight.addmm_(grad_logits.t(), h.float())
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.consumed = weight.dtype, False
+        ctx.mark_non_differentiable(row_loss, row_argmax)
         return (row_loss * row_weights).sum(), row_loss, row_argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
+        if ctx.consumed:
+            raise RuntimeError("linear_cross_entropy scales its precomputed gradients in place: backward runs once")
+        ctx.consumed = True
         grad_hidden, grad_weight = ctx.saved_tensors
+        # In place: a second full-size weight gradient here would raise the step's peak memory by V × H.
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+            grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class _RecomputingLinearCrossEntropy(torch.autograd.Function):
+    """Saves its inputs and recomputes logits chunk by chunk in backward.
+
+    Used inside activation-recomputed MTP depths: there the forward runs twice anyway, so computing gradients in
+    the first forward (as :class:`_ChunkedLinearCrossEntropy` does) would be wasted work.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+        num_rows = hidden.shape[0]
+        row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
+        row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
+        for start in range(0, num_rows, chunk_size):
+            end = min(start + chunk_size, num_rows)
+            logits = (hidden[start:end] @ weight.t()).float()  # (c, V)
+            target = targets[start:end]
+            valid = target != ignore_index
+            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            row_loss[start:end] = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
+            row_argmax[start:end] = logits.argmax(dim=-1)
+        ctx.save_for_backward(hidden, weight, targets, row_weights)
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.mark_non_differentiable(row_loss, row_argmax)
+        return (row_loss * row_weights).sum(), row_loss, row_argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
+        hidden, weight, targets, row_weights = ctx.saved_tensors
+        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight_grad else None
+        scale = row_weights * grad_loss
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits = (h @ weight.t()).float()  # (c, V)
+            target = targets[start:end]
+            valid = target != ctx.ignore_index
+            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+            grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+            grad_logits.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad_logits.dtype))
+            grad_logits.mul_(scale[start:end].unsqueeze(1))
+            if needs_hidden_grad:
+                grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+            if needs_weight_grad:
+                grad_weight.addmm_(grad_logits.t(), h.float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -97,6 +159,8 @@ def linear_cross_entropy_torch(
     row_weights: Optional[Tensor] = None,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
+    recompute: bool = False,
+    overwrite_hidden: bool = False,
 ) -> LinearCrossEntropyOutput:
     """Weighted cross-entropy of ``hidden @ weight.T`` against ``targets`` without materialising all logits.
 
@@ -106,6 +170,10 @@ def linear_cross_entropy_torch(
         targets: (N,) token ids; ``ignore_index`` rows score 0 and get no gradient.
         row_weights: (N,) weight of each row's loss. ``None`` gives the mean over valid rows.
         chunk_size: rows of logits materialised at once; default from :func:`default_chunk_size`.
+        recompute: save the inputs and recompute logits in backward instead of computing gradients in forward
+            (for use inside activation checkpointing, where the forward runs twice).
+        overwrite_hidden: ``hidden`` is a private scratch copy (e.g. a concatenation) that nobody reads afterwards;
+            its rows are overwritten by their gradients to save one (N, H) buffer.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -113,7 +181,12 @@ def linear_cross_entropy_torch(
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index)
-    loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, weights, ignore_index, chunk_size
-    )
+    if recompute:
+        loss, row_loss, row_argmax = _RecomputingLinearCrossEntropy.apply(
+            hidden, weight, targets, weights, ignore_index, chunk_size
+        )
+    else:
+        loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
+            hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden
+        )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)

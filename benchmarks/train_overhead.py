@@ -1,0 +1,123 @@
+"""Memory and time of MTP training against next-token training of the same model, side by side in one run.
+
+For every architecture, depth D = 1..4 and recompute setting, one training step (forward, backward, AdamW) of the
+bundled CausalLM is measured against the same model trained on next-token loss alone (MTP depths inactive):
+
+- ``peak_memory_ratio``: peak tensor memory allocated during the step (activations, gradients, temporaries) over the
+  baseline's; parameters and optimizer state held between steps are reported apart (``resident_mb``).
+- ``step_time_ratio``: median step time over the baseline's.
+- ``flops_ratio``: the ratio the extra arithmetic predicts, counted by ``torch.utils.flop_counter`` on the real step
+  (the MTP blocks, their heads and any recompute included).
+
+Usage::
+
+    python benchmarks/train_overhead.py --out benchmarks/results/train_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import PeakMemory, bytes_in_use  # noqa: E402
+
+from lightning_mtp import MTPConfig  # noqa: E402
+from lightning_mtp.models import CausalLM, ModelConfig  # noqa: E402
+
+
+def build(args, depth: int, architecture: str, recompute: bool) -> tuple[CausalLM, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = CausalLM(
+        ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                    max_seq_len=args.seq_len),
+        MTPConfig(depth=max(depth, 1), architecture=architecture, recompute=recompute),
+    )
+    model.configure_model()
+    model.mtp_active_depth = depth  # depth 0: next-token loss alone, the MTP modules are never run
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def step(model: CausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model.compute_lm_loss(batch).loss.backward()
+    optimizer.step()
+
+
+def measure(args, depth: int, architecture: str, recompute: bool) -> dict:
+    model, optimizer = build(args, depth, architecture, recompute)
+    batch = torch.randint(0, args.vocab, (args.batch_size, args.seq_len))
+    step(model, optimizer, batch)  # warm-up: optimizer state, allocator and BLAS workspaces
+    optimizer.zero_grad(set_to_none=True)
+    resident = bytes_in_use()
+    with PeakMemory() as peak:
+        step(model, optimizer, batch)
+    with FlopCounterMode(display=False) as flops:
+        step(model, optimizer, batch)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step(model, optimizer, batch)
+        times.append(time.perf_counter() - start)
+    return {
+        "architecture": architecture if depth else "none",
+        "depth": depth,
+        "recompute": recompute,
+        "peak_mb": peak.peak_bytes / 2**20,
+        "resident_mb": resident / 2**20,
+        "step_time_s": statistics.median(times),
+        "flops": flops.get_total_flops(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--max-depth", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="benchmarks/results/train_overhead.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    base = measure(args, 0, "cascaded", False)
+    rows = []
+    print(f"baseline (next-token only): peak {base['peak_mb']:.1f} MiB, step {base['step_time_s'] * 1e3:.0f} ms, "
+          f"{base['flops'] / 1e9:.1f} GFLOP, {base['params'] / 1e6:.2f}M params")
+    header = f"{'arch':>9} {'D':>2} {'recompute':>9} {'mem ratio':>9} {'time ratio':>10} {'flops ratio':>11} {'time/flops':>10}"
+    print(header)
+    for architecture in ("cascaded", "parallel"):
+        for recompute in (False, True):
+            for depth in range(1, args.max_depth + 1):
+                row = measure(args, depth, architecture, recompute)
+                row["peak_memory_ratio"] = row["peak_mb"] / base["peak_mb"]
+                row["step_time_ratio"] = row["step_time_s"] / base["step_time_s"]
+                row["flops_ratio"] = row["flops"] / base["flops"]
+                row["time_over_flops"] = row["step_time_ratio"] / row["flops_ratio"]
+                rows.append(row)
+                print(f"{architecture:>9} {depth:>2} {str(recompute):>9} {row['peak_memory_ratio']:>9.3f} "
+                      f"{row['step_time_ratio']:>10.3f} {row['flops_ratio']:>11.3f} {row['time_over_flops']:>10.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    out.write_text(json.dumps({"settings": settings, "baseline": base, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
