@@ -1,0 +1,282 @@
+"""Fused linear + cross-entropy: cuBLAS matmul per row chunk, one Triton kernel for softmax/loss/argmax/d(logits).
+
+Same signature and outputs as :func:`~lightning_mtp.kernels.linear_cross_entropy_torch.linear_cross_entropy_torch`
+(the twin, which is the CPU path and the reference). Per chunk of ``c`` rows:
+
+1. ``logits[:c] = h @ W.T`` into one reusable scratch buffer of ``chunk_size × V`` in the input dtype (so no more
+   than one chunk of logits ever exists);
+2. :func:`_lce_row_kernel`, one program per row, streams the row in ``BLOCK_V`` tiles: online logsumexp, the target
+   logit and the first argmax in a first pass, then (when gradients are needed) overwrites the logits IN PLACE with
+   ``d loss / d logits = (softmax - onehot) * row_weight``; loads are cast to fp32, so bf16 works;
+3. ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight += dlogits.T @ h`` into ONE fp32 buffer for all rows (all
+   depths sharing the head go through one call).
+
+Backward only scales the stored gradients by the incoming gradient. With ``recompute=True`` (inside activation
+checkpointing) forward computes losses only and backward redoes the sweep with the row weights scaled by the incoming
+gradient. Ignored rows have weight 0: loss 0, no gradient.
+Targets must be in ``[0, V)`` or equal ``ignore_index`` (not checked, to avoid a device sync).
+
+Example (CUDA tensors; CPU tensors work under ``TRITON_INTERPRET=1``, slowly)::
+
+    hidden = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 32000, (4096,), device="cuda")
+    out = linear_cross_entropy_triton(hidden, weight, targets)  # loss: mean CE over valid rows
+    out.loss.backward()  # weight.grad from one fp32 accumulator, cast to bf16
+"""
+
+import functools
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mtp.kernels.dispatch import LazyKernel, check_triton_usable
+from lightning_mtp.kernels.linear_cross_entropy_torch import (
+    LinearCrossEntropyOutput,
+    default_chunk_size,
+    resolve_row_weights,
+)
+
+try:  # kernels are plain functions built lazily (see LazyKernel); without triton only the annotations need `tl`
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    tl = SimpleNamespace(constexpr=None)
+
+
+def _lce_row_kernel(
+    logits_ptr,  # (c, V) logits of the chunk, overwritten with d(loss)/d(logits) when COMPUTE_GRAD
+    stride_row,  # elements between rows of logits
+    targets_ptr,  # (c,) int64
+    row_weights_ptr,  # (c,) fp32, 0 on ignored rows
+    row_loss_ptr,  # (c,) fp32 out
+    row_argmax_ptr,  # (c,) int64 out
+    V,  # vocabulary size
+    ignore_index,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+
+    # pass 1: running max m, running Σ exp(x - m), target logit, first argmax
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    target_logit = tl.full([], 0.0, tl.float32)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols  # (BLOCK_V,)
+        in_vocab = offs < V
+        x = tl.load(row_ptr + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        tile_max = tl.max(x, axis=0)
+        # first index attaining the tile max; masked lanes are excluded so no id ≥ V can come out
+        tile_arg = tl.min(tl.where(in_vocab & (x == tile_max), offs, V), axis=0).to(tl.int64)
+        best_idx = tl.where(tile_max > best_val, tile_arg, best_idx)  # strict: earlier tiles win ties
+        best_val = tl.maximum(best_val, tile_max)
+        new_m = tl.maximum(m, tile_max)
+        s = s * tl.exp(m - new_m) + tl.sum(tl.where(in_vocab, tl.exp(x - new_m), 0.0), axis=0)
+        m = new_m
+        target_logit += tl.sum(tl.where(offs == target, x, 0.0), axis=0)
+    lse = m + tl.log(s)
+    tl.store(row_loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+    tl.store(row_argmax_ptr + row, tl.minimum(best_idx, V - 1))
+
+    if COMPUTE_GRAD:
+        # pass 2: dlogits = (softmax - onehot) * w, written over the logits; w == 0 on ignored rows
+        w = tl.load(row_weights_ptr + row)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            in_vocab = offs < V
+            x = tl.load(row_ptr + offs, mask=in_vocab, other=0.0).to(tl.float32)
+            grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
+            tl.store(row_ptr + offs, (grad * w).to(logits_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def _row_kernel_configs(interpret: bool):
+    import triton
+
+    if interpret:  # one small tile so that several vocab tiles (and a partial last one) are exercised
+        return [triton.Config({"BLOCK_V": 64}, num_warps=1)]
+    return [
+        triton.Config({"BLOCK_V": 2048}, num_warps=4),
+        triton.Config({"BLOCK_V": 4096}, num_warps=8),
+        triton.Config({"BLOCK_V": 8192}, num_warps=16),
+    ]
+
+
+# The kernel overwrites the logits in place, so autotuning must restore them between trial runs.
+lce_row_kernel = LazyKernel(_lce_row_kernel, configs=_row_kernel_configs, key=["V"], restore_value=["logits_ptr"])
+
+
+@functools.cache
+def _fp32_out_addmm_works(device: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`` accumulates bf16 products in place correctly."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(8, 16, device=device, generator=gen).bfloat16()
+        b = torch.randn(16, 8, device=device, generator=gen).bfloat16()
+        acc = torch.randn(8, 8, device=device, generator=gen)
+        expected = acc + a.float() @ b.float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, expected, atol=1e-3, rtol=1e-3))
+    except Exception:
+        return False
+
+
+def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the input dtype, without an fp32 copy of ``a``."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b.float())
+    elif a.is_cuda and _fp32_out_addmm_works(str(a.device)):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # fp32 accumulation and output from cuBLAS
+    else:  # one (V, H) temporary in the input dtype; the running sum stays fp32
+        acc.add_(torch.mm(a, b))
+
+
+def fused_chunked_pass(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Tensor,
+    ignore_index: int,
+    chunk_size: int,
+    grad_hidden_wanted: bool,
+    grad_weight_wanted: bool,
+):
+    """One chunked sweep: ``(row_loss (N,) fp32, row_argmax (N,) int64, grad_hidden | None, grad_weight fp32 | None)``.
+
+    ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows). Inputs must be contiguous.
+    """
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
+    compute_grad = grad_hidden_wanted or grad_weight_wanted
+    row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
+    row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None
+    grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grad_weight_wanted else None
+    chunk_rows = max(1, min(chunk_size, num_rows))
+    logits_buffer = torch.empty((chunk_rows, vocab), device=hidden.device, dtype=hidden.dtype)  # (chunk, V)
+    for start in range(0, num_rows, chunk_rows):
+        end = min(start + chunk_rows, num_rows)
+        h = hidden[start:end]  # (c, H)
+        logits = logits_buffer[: end - start]  # (c, V), contiguous
+        torch.mm(h, weight.t(), out=logits)
+        lce_row_kernel[(end - start,)](
+            logits,
+            logits.stride(0),
+            targets[start:end],
+            row_weights[start:end],
+            row_loss[start:end],
+            row_argmax[start:end],
+            vocab,
+            ignore_index,
+            COMPUTE_GRAD=compute_grad,
+        )
+        # logits now holds d(loss)/d(logits) when compute_grad
+        if grad_hidden_wanted:
+            torch.mm(logits, weight, out=grad_hidden[start:end])  # (c, H)
+        if grad_weight_wanted:
+            _accumulate_fp32(grad_weight, logits.t(), h)  # (V, H)
+    return row_loss, row_argmax, grad_hidden, grad_weight
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Gradients are computed in forward (no logits kept); backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+        # hidden (N, H), weight (V, H), targets (N,) int64, row_weights (N,) fp32 already zero on ignored rows
+        row_loss, row_argmax, grad_hidden, grad_weight = fused_chunked_pass(
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, *ctx.needs_input_grad[:2]
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(row_loss, row_argmax)  # documented as detached
+        return (row_loss * row_weights).sum(), row_loss, row_argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+class RecomputingFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Forward computes only losses and saves its inputs; backward recomputes the logits chunk by chunk.
+
+    For activation-checkpointed units, where the forward runs twice and gradients computed in the first one would be
+    wasted work (the twin's ``recompute=True``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+        row_loss, row_argmax, _, _ = fused_chunked_pass(
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, False, False
+        )
+        ctx.save_for_backward(hidden, weight, targets, row_weights)
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.mark_non_differentiable(row_loss, row_argmax)
+        return (row_loss * row_weights).sum(), row_loss, row_argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
+        hidden, weight, targets, row_weights = ctx.saved_tensors
+        scale = (row_weights * grad_loss).contiguous()  # (N,) fp32: the incoming gradient folded into the row weights
+        _, _, grad_hidden, grad_weight = fused_chunked_pass(
+            hidden, weight, targets, scale, ctx.ignore_index, ctx.chunk_size, *ctx.needs_input_grad[:2]
+        )
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy_triton(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    chunk_size: Optional[int] = None,
+    recompute: bool = False,
+) -> LinearCrossEntropyOutput:
+    """Triton twin of :func:`linear_cross_entropy_torch`: same arguments, same outputs.
+
+    Args:
+        hidden: (N, H) fp32/bf16/fp16 final hidden states of every scored row (any depth).
+        weight: (V, H) output projection, same dtype as ``hidden``.
+        targets: (N,) token ids in ``[0, V)``; ``ignore_index`` rows score 0 and get no gradient.
+        row_weights: (N,) weight of each row's loss; ``None`` gives the mean over valid rows.
+        chunk_size: rows of logits materialised at once; default from :func:`default_chunk_size`.
+        recompute: save the inputs and recompute the logits in backward instead of computing gradients in forward
+            (inside activation checkpointing, where the forward runs twice).
+
+    Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors (tests).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    check_triton_usable(hidden, weight, targets, row_weights)
+    chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    weights = resolve_row_weights(targets, row_weights, ignore_index).contiguous()
+    function = RecomputingFusedLinearCrossEntropyFunction if recompute else FusedLinearCrossEntropyFunction
+    loss, row_loss, row_argmax = function.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        targets.long().contiguous(),
+        weights,
+        int(ignore_index),
+        int(chunk_size),
+    )
+    return LinearCrossEntropyOutput(loss, row_loss, row_argmax)
