@@ -1,0 +1,107 @@
+"""Typed settings of :func:`~lightning_mtp.decoding.generate`, ``predict_step`` and ``lightning-mtp predict``.
+
+Every field is also a keyword argument of ``generate`` (except ``seed``, which ``predict_step`` turns into a
+``torch.Generator``). Errors name the argument and the CLI flag.
+
+Example::
+
+    >>> GenerationConfig(max_new_tokens=32, temperature=0.7, top_p=0.9).draft_tokens is None
+    True
+    >>> GenerationConfig(temperature=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: temperature (GenerationConfig.temperature, --model.generation.temperature) must be >= 0, got -1.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+ACCEPTANCE_RULES = ("exact", "typical")
+
+
+def _fail(field: str, message: str) -> ValueError:
+    return ValueError(f"{field} (GenerationConfig.{field}, --model.generation.{field}) {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class GenerationConfig:
+    """How to decode: budget, sampling, and the self-speculative draft/verify policy."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate after each prompt (≥ 1). Prompt + ``max_new_tokens`` must fit the model's context."""
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples from softmax(logits / temperature)."""
+    top_k: Optional[int] = None
+    """Keep the k most likely tokens before sampling (ties with the k-th are kept)."""
+    top_p: Optional[float] = None
+    """Keep the smallest set of most likely tokens whose probability sums to ≥ p, in (0, 1]."""
+    speculative: bool = True
+    """Draft with the MTP heads and verify with the main model; ``False`` is plain autoregressive decoding with the
+    same KV cache (the reference)."""
+    draft_tokens: Optional[int] = None
+    """Most drafts per step, 1..D (default: the MTP depth D)."""
+    eos_token_id: Optional[int] = None
+    """Stop a row after it emits this token (``predict_step`` defaults to the datamodule's EOS)."""
+    draft_confidence_threshold: Optional[float] = None
+    """Dynamic draft length: a row stops drafting once its draft's probability under the drafter falls below this
+    value, and a step stops calling deeper MTP modules once every row has stopped. ``None`` always drafts
+    ``draft_tokens``. Lossless (it only changes which drafts are proposed)."""
+    adaptive_draft_tokens: bool = False
+    """Dynamic draft length: choose each step's number of drafts from the running acceptance (depth k is drafted while
+    the running rate of reaching it stays ≥ ``adaptive_min_reach``; the full depth is re-probed every 8 steps).
+    Lossless."""
+    adaptive_min_reach: float = 0.25
+    """Least running probability that all drafts up to a depth are accepted for that depth to be drafted."""
+    acceptance: Literal["exact", "typical"] = "exact"
+    """``"exact"``: greedy matching / speculative rejection sampling, output identical in distribution to plain
+    decoding. ``"typical"``: Medusa's typical acceptance, LOSSY (output differs from the main model's distribution);
+    needs ``temperature > 0``; drafts are then the heads' top-1 tokens, as in Medusa; opt-in only, never a default."""
+    typical_epsilon: float = 0.09
+    """Typical acceptance: accept x when p(x) > min(epsilon, delta · exp(-H(p))) (Medusa paper: epsilon = 0.09)."""
+    typical_delta: float = 0.3
+    """Typical acceptance: see ``typical_epsilon`` (Medusa paper: delta = 0.3)."""
+    seed: Optional[int] = None
+    """Seed of the sampling generator used by ``predict_step`` (sampling only; ``generate`` takes a generator)."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise _fail("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+            self.temperature >= 0 and math.isfinite(self.temperature)
+        ):
+            raise _fail("temperature", f"must be >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise _fail("top_k", f"must be an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise _fail("top_p", f"must be in (0, 1] or None, got {self.top_p!r}")
+        if self.draft_tokens is not None and (not _is_int(self.draft_tokens) or self.draft_tokens < 1):
+            raise _fail("draft_tokens", f"must be an integer >= 1 or None (= the MTP depth), got {self.draft_tokens!r}")
+        if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
+            raise _fail("eos_token_id", f"must be a token id >= 0 or None, got {self.eos_token_id!r}")
+        threshold = self.draft_confidence_threshold
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
+            raise _fail("draft_confidence_threshold", f"must be in [0, 1] or None, got {threshold!r}")
+        if not 0 <= self.adaptive_min_reach <= 1:
+            raise _fail("adaptive_min_reach", f"must be in [0, 1], got {self.adaptive_min_reach!r}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise _fail("acceptance", f"must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if self.acceptance == "typical" and self.temperature == 0:
+            raise _fail("acceptance", "='typical' needs temperature > 0 (greedy decoding is already exact)")
+        if not 0 < self.typical_epsilon <= 1:
+            raise _fail("typical_epsilon", f"must be in (0, 1], got {self.typical_epsilon!r}")
+        if not self.typical_delta > 0:
+            raise _fail("typical_delta", f"must be > 0, got {self.typical_delta!r}")
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    def to_kwargs(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,90 @@
+"""What the decoder needs from the model that verifies: a cached trunk forward and its next-token logits.
+
+:class:`DecodingHost` is the whole contract. The decoder addresses the cache by position: a forward writes the keys of
+``input_ids`` at ``positions`` (per row, so batches may be ragged) and a query at position p may only see slots
+0..p. Rejected drafts are therefore never read again and are overwritten by the next accepted tokens, and
+:meth:`DecodingHost.rollback` is only told the new per-row lengths (a no-op for a static positional cache; a host
+with a growing cache, e.g. Hugging Face's ``DynamicCache``, crops it there).
+
+:func:`decoding_host` picks the host of a module: ``module.mtp_decoding_host()`` when the module defines it, else
+the adapter of the bundled :class:`~lightning_mtp.models.CausalLM` (any module with ``allocate_kv_caches``,
+``logits`` and ``max_context``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+
+@runtime_checkable
+class DecodingHost(Protocol):
+    """The main model as the decoder sees it."""
+
+    vocab_size: int
+    """Valid token ids are ``[0, vocab_size)``."""
+    max_context: int
+    """Longest sequence (prompt + generated tokens) the model supports. Verification looks up to D positions past
+    it (drafts beyond the budget, never emitted), so positions up to ``max_context + D`` must be addressable."""
+
+    def allocate(self, batch_size: int, max_len: int) -> Any:
+        """Fresh decoding state (KV caches) for ``batch_size`` rows of up to ``max_len`` positions."""
+
+    def forward(self, input_ids: Tensor, positions: Tensor, state: Any) -> Tensor:
+        """Trunk over ``input_ids`` (B, T) at ``positions`` (B, T) using and filling ``state``.
+
+        Returns the last hidden state (B, T, H) before the final norm (what the MTP modules read).
+        """
+
+    def main_logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits (B, T, V) from :meth:`forward`'s hidden states."""
+
+    def rollback(self, state: Any, lengths: Tensor) -> None:
+        """Each row now holds ``lengths`` (B,) valid positions; later positions may be dropped."""
+
+
+class CausalLMHost:
+    """:class:`DecodingHost` of the bundled :class:`~lightning_mtp.models.CausalLM` (static positional KV caches)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.vocab_size = int(model.mtp_vocab_size())
+        self.max_context = int(model.max_context)
+
+    def allocate(self, batch_size: int, max_len: int) -> list:
+        return self.model.allocate_kv_caches(batch_size, max_len)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, state: list) -> Tensor:
+        return self.model(input_ids, positions, state)
+
+    def main_logits(self, hidden: Tensor) -> Tensor:
+        return self.model.logits(hidden)
+
+    def rollback(self, state: list, lengths: Tensor) -> None:
+        """Nothing to do: stale slots are masked by position and overwritten later."""
+
+
+def decoding_host(module: nn.Module) -> DecodingHost:
+    """The :class:`DecodingHost` of ``module``: its ``mtp_decoding_host()``, or the CausalLM adapter."""
+    custom = getattr(module, "mtp_decoding_host", None)
+    if callable(custom):
+        host = custom()
+        if host is not None:
+            return host
+    if all(hasattr(module, name) for name in ("allocate_kv_caches", "logits", "max_context")):
+        return CausalLMHost(module)
+    raise TypeError(
+        f"{type(module).__name__} cannot decode: define mtp_decoding_host() returning a "
+        "lightning_mtp.decoding.DecodingHost (allocate, forward, main_logits, rollback, vocab_size, max_context), "
+        "or provide allocate_kv_caches(batch, max_len), forward(input_ids, positions, caches), logits(hidden) and "
+        "max_context like lightning_mtp.models.CausalLM"
+    )
+
+
+def module_device_dtype(module: nn.Module) -> tuple[torch.device, Optional[torch.dtype]]:
+    """Device and floating dtype of the module's first parameter (CPU / None without parameters)."""
+    for param in module.parameters():
+        return param.device, param.dtype
+    return torch.device("cpu"), None

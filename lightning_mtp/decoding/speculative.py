@@ -1,0 +1,471 @@
+"""Self-speculative decoding with the MTP heads, and plain autoregressive decoding with the same KV cache.
+
+gpt-fast style: small functions over tensors, wired together by :func:`decode`.
+
+1. :func:`prefill` runs the prompts through the trunk and picks each row's first token.
+2. The drafter (:mod:`lightning_mtp.decoding.drafting`) proposes up to k tokens after each row's newest token.
+3. :func:`verify_forward` scores ``[newest token, drafts]`` in one trunk forward.
+4. Acceptance: ``lightning_mtp.kernels.verify_drafts`` (greedy: longest prefix equal to the argmax plus the main
+   model's next token; sampling: speculative rejection sampling, arXiv 2211.17192), or the opt-in, LOSSY Medusa
+   typical acceptance (:func:`accept_typical`).
+5. :func:`emit` appends each row's accepted tokens (its own count: ragged), stops rows at EOS or their budget, and
+   moves each row's newest position; that move is the rollback of the positional caches (rejected entries are masked
+   and overwritten later).
+
+Finished rows stay in the batch with their position frozen and emit nothing, so each row's output is what decoding
+it alone gives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.drafting import Drafter, DraftLength, Drafts, MTPDrafter
+from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
+from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs, sample
+from lightning_mtp.kernels import VerifyOutput, verify_drafts
+from lightning_mtp.kernels.speculative_verify_torch import assemble_output
+
+PAD = -1
+"""Fills the outputs after a row's last token (never a valid token id)."""
+
+@dataclass
+class DecodeStats:
+    """What one :func:`generate` call did.
+
+    ``tau`` is the mean number of tokens emitted per main-model forward pass, *counting the bonus/correction token*
+    that every verify forward adds (and the first token, which the prefill forward emits), per row: plain decoding
+    has ``tau == 1`` exactly; speculative decoding with k drafts has ``1 <= tau <= k + 1``.
+    """
+
+    batch_size: int
+    max_drafts: int
+    """Drafts per step asked for (0 for plain decoding)."""
+    main_forwards: int
+    """Main-model (trunk) forward passes of the batch, prefill included."""
+    row_forwards: list[int]
+    """Forward passes while each row was still decoding."""
+    new_tokens: list[int]
+    """Tokens emitted by each row (EOS included)."""
+    drafted_per_depth: list[int]
+    """Drafts proposed at depth k (index k-1), summed over rows and steps."""
+    accepted_per_depth: list[int]
+    """Drafts accepted at depth k (index k-1), summed over rows and steps."""
+    accepted_length_histogram: list[int]
+    """How many row-steps accepted 0, 1, ..., max_drafts drafts."""
+    elapsed_s: float
+    """Wall time of the call (device synchronised)."""
+
+    @property
+    def total_new_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per main-model forward, bonus token counted (see the class docstring)."""
+        return self.total_new_tokens / max(1, sum(self.row_forwards))
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        """Share of drafts accepted at each depth."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(total_new_tokens=self.total_new_tokens, tau=self.tau, acceptance_per_depth=self.acceptance_per_depth,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+    @staticmethod
+    def combine(stats: list[DecodeStats]) -> dict:
+        """Totals over several calls (e.g. the batches of ``predict``) as a plain dict."""
+        if not stats:
+            return {}
+        width = max(len(s.drafted_per_depth) for s in stats)
+        hist_width = max(len(s.accepted_length_histogram) for s in stats)
+
+        def total(name: str, size: int) -> list[int]:
+            sums = [0] * size
+            for s in stats:
+                for i, v in enumerate(getattr(s, name)):
+                    sums[i] += v
+            return sums
+
+        new_tokens = sum(s.total_new_tokens for s in stats)
+        row_forwards = sum(sum(s.row_forwards) for s in stats)
+        elapsed = sum(s.elapsed_s for s in stats)
+        drafted, accepted = total("drafted_per_depth", width), total("accepted_per_depth", width)
+        return {
+            "calls": len(stats),
+            "rows": sum(s.batch_size for s in stats),
+            "main_forwards": sum(s.main_forwards for s in stats),
+            "row_forwards": row_forwards,
+            "total_new_tokens": new_tokens,
+            "tau": new_tokens / max(1, row_forwards),
+            "drafted_per_depth": drafted,
+            "accepted_per_depth": accepted,
+            "acceptance_per_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "accepted_length_histogram": total("accepted_length_histogram", hist_width),
+            "elapsed_s": elapsed,
+            "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+        }
+
+
+@dataclass
+class GenerateOutput:
+    """Result of :func:`generate`. Padding is ``-1`` (never a token id)."""
+
+    sequences: Tensor
+    """(B, S) each row's prompt followed by its new tokens, right-padded."""
+    new_tokens: Tensor
+    """(B, N) each row's generated tokens (EOS included), right-padded; N = the longest row's count."""
+    num_new_tokens: Tensor
+    """(B,) generated tokens per row."""
+    prompt_lengths: Tensor
+    """(B,) prompt tokens per row."""
+    stats: DecodeStats
+
+
+@dataclass
+class DecodeState:
+    """Per-call buffers; every tensor is (B, ...) and stays allocated for the whole call."""
+
+    tokens: Tensor
+    """(B, L) prompt, emitted tokens, then scratch (drafts)."""
+    newest: Tensor
+    """(B,) position of each row's newest token (emitted, not yet run through the trunk)."""
+    prompt_lengths: Tensor
+    emitted: Tensor
+    """(B,) tokens emitted so far."""
+    done: Tensor
+    """(B,) rows that hit EOS or their budget."""
+    row_forwards: Tensor
+    steps: Tensor
+    """(D+1,) arange: offsets of the verify window and the emitted tokens."""
+    drafted: Tensor
+    accepted: Tensor
+    histogram: Tensor
+    main_forwards: int = 0
+
+
+# ----------------------------------------------------------------------------------------------- input handling
+def prepare_prompts(
+    input_ids: Tensor, attention_mask: Optional[Tensor], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Validate the prompts; returns them starting at position 0, right-padded with 0 (B, P), and their lengths (B,).
+
+    ``attention_mask`` (B, L) marks each row's prompt tokens with 1 (left or right padding both work: the masked-in
+    tokens, in order, are the prompt).
+    """
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (batch, length) tensor of token ids, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    batch, length = input_ids.shape
+    if batch == 0:
+        raise ValueError("input_ids is an empty batch (0 rows)")
+    if length == 0:
+        raise ValueError("input_ids: empty prompt (0 tokens); every row needs at least one token")
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    if attention_mask is None:
+        mask = torch.ones_like(input_ids, dtype=torch.bool)
+    else:
+        if tuple(attention_mask.shape) != (batch, length):
+            raise ValueError(f"attention_mask must have input_ids' shape {(batch, length)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        mask = attention_mask.to(device) != 0
+    lengths = mask.sum(dim=1)  # (B,)
+    if bool((lengths == 0).any()):
+        rows = torch.nonzero(lengths == 0).flatten().tolist()
+        raise ValueError(f"attention_mask: empty prompt in row(s) {rows}; every row needs at least one token")
+    prompt_tokens = input_ids[mask]
+    low, high = int(prompt_tokens.min()), int(prompt_tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size}) (the model's vocabulary), "
+                         f"got ids in [{low}, {high}]")
+    if attention_mask is None:
+        return input_ids, lengths
+    # Move each row's prompt tokens to the front, in order: the mask's cumulative count is the destination.
+    destination = torch.where(mask, mask.long().cumsum(dim=1) - 1, torch.full_like(input_ids, length))
+    packed = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
+    packed.scatter_(1, destination, torch.where(mask, input_ids, torch.zeros_like(input_ids)))
+    return packed[:, : int(lengths.max())], lengths
+
+
+def check_budget(prompt_lengths: Tensor, max_new_tokens: int, max_context: int) -> None:
+    longest = int(prompt_lengths.max())
+    if longest + max_new_tokens > max_context:
+        raise ValueError(
+            f"max_new_tokens: prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {max_context} tokens; shorten the prompt or lower max_new_tokens (no truncation is applied)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- the steps
+def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts: int) -> DecodeState:
+    batch, width = prompts.shape
+    device = prompts.device
+    tokens = torch.zeros(batch, width + max_new_tokens + max_drafts + 2, dtype=torch.long, device=device)
+    tokens[:, :width] = prompts
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    return DecodeState(
+        tokens=tokens,
+        newest=lengths - 1,
+        prompt_lengths=lengths.clone(),
+        emitted=zeros.clone(),
+        done=torch.zeros(batch, dtype=torch.bool, device=device),
+        row_forwards=zeros.clone(),
+        steps=torch.arange(max_drafts + 1, device=device),
+        drafted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
+        accepted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
+        histogram=torch.zeros(max_drafts + 1, dtype=torch.long, device=device),
+    )
+
+
+def prefill(host: DecodingHost, cache: Any, state: DecodeState) -> tuple[Tensor, Tensor, Tensor]:
+    """Trunk over every prompt (B, P); returns hidden (B, P, H), positions (B, P) and the last prompt token's logits
+    (B, V) of each row."""
+    width = int(state.prompt_lengths.max())
+    positions = torch.arange(width, device=state.tokens.device).expand(state.tokens.shape[0], width)  # (B, P)
+    hidden = host.forward(state.tokens[:, :width], positions, cache)  # (B, P, H)
+    state.main_forwards += 1
+    last = hidden.gather(1, state.newest.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # (B, 1, H)
+    return hidden, positions, host.main_logits(last)[:, 0]
+
+
+def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: int, eos: Optional[int]) -> Tensor:
+    """Append ``out_tokens[:, :count]`` (B, k+1) to every unfinished row, cut at EOS and at the budget.
+
+    Returns the tokens each row actually advanced by (B,) (0 for finished rows).
+    """
+    active = ~state.done
+    count = torch.minimum(count, max_new_tokens - state.emitted) * active  # (B,)
+    width = out_tokens.shape[1]
+    steps = state.steps[:width]
+    if eos is not None:
+        is_eos = (out_tokens == eos) & (steps < count.unsqueeze(1))  # (B, k+1)
+        hit = is_eos.any(dim=1)
+        count = torch.where(hit, is_eos.long().argmax(dim=1) + 1, count)
+    positions = state.newest.unsqueeze(1) + 1 + steps  # (B, k+1)
+    keep = steps < count.unsqueeze(1)
+    state.tokens.scatter_(1, positions, torch.where(keep, out_tokens, state.tokens.gather(1, positions)))
+    state.row_forwards += active
+    state.emitted += count
+    state.newest += count
+    finished = state.emitted >= max_new_tokens
+    if eos is not None:
+        finished |= hit
+    state.done |= finished
+    return count
+
+
+def verify_forward(host: DecodingHost, cache: Any, state: DecodeState, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Trunk over ``[newest token, k drafts]`` of every row; returns hidden (B, k+1, H), positions, logits."""
+    positions = state.newest.unsqueeze(1) + state.steps[: k + 1]  # (B, k+1)
+    hidden = host.forward(state.tokens.gather(1, positions), positions, cache)  # (B, k+1, H)
+    state.main_forwards += 1
+    return hidden, positions, host.main_logits(hidden)
+
+
+def accept_typical(
+    draft_tokens: Tensor, probs: Tensor, epsilon: float, delta: float, generator: Optional[torch.Generator] = None
+) -> VerifyOutput:
+    """Medusa's typical acceptance (arXiv 2401.10774, sec. 2.3.1) -- LOSSY, opt-in only.
+
+    Draft x_j is accepted while p_j(x_j) > min(epsilon, delta · exp(-H(p_j))); the token after the accepted prefix is
+    sampled from p there. ``probs`` (B, k+1, V) are the processed target probabilities.
+    """
+    k = draft_tokens.shape[1]
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)  # (B, k+1)
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)  # (B, k+1)
+    p_draft = probs[:, :k].gather(2, draft_tokens.clamp_min(0).unsqueeze(2)).squeeze(2)  # (B, k)
+    ok = (draft_tokens >= 0) & (p_draft > threshold[:, :k])
+    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    next_token = sample(probs[rows, num_accepted], generator)  # (B,)
+    return assemble_output(draft_tokens, num_accepted, next_token)
+
+
+def accept(
+    drafts: Drafts, logits: Tensor, config: GenerationConfig, generator: Optional[torch.Generator]
+) -> VerifyOutput:
+    """Which drafts each row keeps, plus its next token (see the module docstring)."""
+    if not config.sampling:
+        return verify_drafts(drafts.tokens, logits, mode="greedy")
+    probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, k+1, V) = p
+    if config.acceptance == "typical":
+        return accept_typical(drafts.tokens, probs, config.typical_epsilon, config.typical_delta, generator)
+    return verify_drafts(drafts.tokens, probs, drafts.probs, mode="sampling", generator=generator)
+
+
+def record_acceptance(state: DecodeState, drafts: Tensor, num_accepted: Tensor, active: Tensor) -> Tensor:
+    """Add this step's drafted/accepted counts per depth and the accepted-length histogram; returns the accepted
+    count per depth (k,) of this step."""
+    k = drafts.shape[1]
+    depth = state.steps[1 : k + 1]  # (k,) depths 1..k
+    reached = (num_accepted.unsqueeze(1) >= depth) & active.unsqueeze(1)  # (B, k)
+    accepted = reached.sum(dim=0)
+    state.accepted[:k] += accepted
+    state.drafted[:k] += ((drafts >= 0) & active.unsqueeze(1)).sum(dim=0)
+    state.histogram.index_add_(0, num_accepted, active.long())
+    return accepted
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+@torch.inference_mode()
+def decode(
+    host: DecodingHost,
+    drafter: Optional[Drafter],
+    prompts: Tensor,
+    lengths: Tensor,
+    config: GenerationConfig,
+    generator: Optional[torch.Generator] = None,
+) -> GenerateOutput:
+    """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding."""
+    start = time.perf_counter()
+    device = prompts.device
+    params = SamplingParams(config.temperature, config.top_k, config.top_p)
+    max_drafts = 0
+    if drafter is not None:
+        max_drafts = config.draft_tokens or drafter.max_drafts
+        if max_drafts > drafter.max_drafts:
+            raise ValueError(f"draft_tokens={max_drafts} exceeds the MTP depth D={drafter.max_drafts} "
+                             "(--model.mtp.depth)")
+    draft_params = SamplingParams() if config.acceptance == "typical" else params  # Medusa drafts top-1 candidates
+    batch = prompts.shape[0]
+    eos = config.eos_token_id
+    state = new_state(prompts, lengths, config.max_new_tokens, max_drafts)
+    cache_len = state.tokens.shape[1]  # prompt + budget + k + 1 spare slots
+    cache = host.allocate(batch, cache_len)
+    draft_state = drafter.allocate(batch, cache_len) if drafter is not None else None
+
+    hidden, positions, logits = prefill(host, cache, state)
+    if drafter is not None:
+        drafter.observe(draft_state, hidden, positions)
+        drafter.commit(draft_state, int(positions.shape[1]))
+    first = choose_tokens(logits, params, generator)  # (B,)
+    emit(state, first.unsqueeze(1), torch.ones_like(first), config.max_new_tokens, eos)
+    host.rollback(cache, state.newest)
+    length_policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
+
+    finished = bool(state.done.all())
+    while not finished:
+        active = ~state.done
+        if drafter is None:
+            _, _, logits = verify_forward(host, cache, state, 0)
+            token = choose_tokens(logits[:, 0], params, generator)  # (B,)
+            emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, eos)
+            host.rollback(cache, state.newest)
+            finished = bool(state.done.all())
+            continue
+        drafts = drafter.draft(draft_state, state.tokens, state.newest, length_policy.next(), draft_params, generator,
+                               config.draft_confidence_threshold)
+        k = drafts.tokens.shape[1]
+        hidden, positions, logits = verify_forward(host, cache, state, k)
+        drafter.observe(draft_state, hidden, positions)
+        verdict = accept(drafts, logits, config, generator)
+        accepted = record_acceptance(state, drafts.tokens, verdict.num_accepted, active)
+        advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens, eos)
+        host.rollback(cache, state.newest)
+        # The step's one host sync: all done?, how far rows moved (drafter windows), acceptance (adaptive length).
+        summary = torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
+        finished, moved, active_rows, *reached = summary.tolist()
+        drafter.commit(draft_state, int(moved))
+        length_policy.update(reached, int(active_rows))
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return finish(state, config.max_new_tokens, max_drafts, batch, elapsed)
+
+
+def finish(state: DecodeState, max_new_tokens: int, max_drafts: int, batch: int, elapsed: float) -> GenerateOutput:
+    steps = torch.arange(max_new_tokens, device=state.tokens.device)  # (N,)
+    index = (state.prompt_lengths.unsqueeze(1) + steps).clamp(max=state.tokens.shape[1] - 1)  # (B, N)
+    valid = steps < state.emitted.unsqueeze(1)
+    longest = int(state.emitted.max())
+    new_tokens = torch.where(valid, state.tokens.gather(1, index), PAD)[:, :longest]  # (B, N)
+    total = state.prompt_lengths + state.emitted  # (B,)
+    width = int(total.max())
+    columns = torch.arange(width, device=state.tokens.device)
+    sequences = torch.where(columns < total.unsqueeze(1), state.tokens[:, :width], PAD)  # (B, S)
+    stats = DecodeStats(
+        batch_size=batch,
+        max_drafts=max_drafts,
+        main_forwards=state.main_forwards,
+        row_forwards=state.row_forwards.tolist(),
+        new_tokens=state.emitted.tolist(),
+        drafted_per_depth=state.drafted[:max_drafts].tolist(),
+        accepted_per_depth=state.accepted[:max_drafts].tolist(),
+        accepted_length_histogram=state.histogram.tolist() if max_drafts else [],
+        elapsed_s=elapsed,
+    )
+    return GenerateOutput(sequences, new_tokens, state.emitted.clone(), state.prompt_lengths.clone(), stats)
+
+
+def generate(
+    module: torch.nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    speculative: bool = True,
+    draft_tokens: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+    attention_mask: Optional[Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    **options: Any,
+) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` after each prompt; self-speculative with the MTP heads by default.
+
+    Args:
+        module: an :class:`~lightning_mtp.MTPMixin` module with a :class:`~lightning_mtp.decoding.DecodingHost`
+            (the bundled ``CausalLM``, or any module defining ``mtp_decoding_host()``).
+        input_ids: (B, L) prompt token ids.
+        max_new_tokens: tokens to generate per row (≥ 1); prompt + max_new_tokens must fit the model's context.
+        temperature: 0 = greedy, else sampling from softmax(logits / temperature).
+        top_k: keep the k most likely tokens when sampling.
+        top_p: nucleus sampling threshold in (0, 1].
+        speculative: draft with the MTP heads and verify; ``False`` is plain autoregressive decoding (the reference).
+        draft_tokens: drafts per step, 1..D (default D).
+        eos_token_id: a row stops after emitting it.
+        attention_mask: (B, L) 1 on prompt tokens; rows may have different prompt lengths (left or right padding).
+        generator: ``torch.Generator`` on the module's device for every random draw.
+        **options: the other :class:`~lightning_mtp.decoding.GenerationConfig` fields (``draft_confidence_threshold``,
+            ``adaptive_draft_tokens``, ``adaptive_min_reach``, ``acceptance``, ``typical_epsilon``,
+            ``typical_delta``).
+
+    Returns:
+        :class:`GenerateOutput` with ``sequences``, ``new_tokens`` and ``stats`` (:class:`DecodeStats`: forward
+        passes, per-depth acceptance, ``tau`` counting the bonus token, tokens/s).
+
+    Greedy speculative output equals plain greedy output token for token; sampled output has exactly the plain
+    sampling distribution (unless ``acceptance="typical"``, which is lossy).
+    """
+    options.pop("seed", None)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, speculative=speculative,
+        draft_tokens=draft_tokens, eos_token_id=eos_token_id, **options,
+    )
+    host = decoding_host(module)
+    drafter = MTPDrafter(module) if speculative else None
+    device, _ = module_device_dtype(module)
+    prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
+    check_budget(lengths, config.max_new_tokens, host.max_context)
+    out = decode(host, drafter, prompts, lengths, config, generator)
+    # Plain tensors (not inference tensors), so that callers may use them in autograd.
+    return GenerateOutput(out.sequences.clone(), out.new_tokens.clone(), out.num_new_tokens.clone(),
+                          out.prompt_lengths.clone(), out.stats)
