@@ -33,7 +33,7 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_mtp.data.corpus import (
     FileSpan,
@@ -122,6 +122,82 @@ class TokenWindowDataset(Dataset):
         index %= len(self)
         window = self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
         return {"input_ids": torch.from_numpy(np.asarray(window, dtype=np.int64))}  # [seq_len]
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A seeded permutation per pass (``numpy`` seed sequence ``[seed, epoch]``), optionally starting part-way.
+
+    ``ResumableDataLoader`` sets ``epoch`` and ``start`` before each pass, so a resumed pass skips the windows already
+    trained on without reading them.
+
+    Example::
+
+        >>> sampler = EpochShuffleSampler(6, seed=0)
+        >>> full = list(sampler)
+        >>> sampler.start = 4
+        >>> list(sampler) == full[4:] and sorted(full) == list(range(6))
+        True
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed = num_samples, seed
+        self.epoch = 0
+        self.start = 0  # samples of this pass to skip
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+        return iter(order[self.start :].tolist())
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that can resume a pass part-way: ``state_dict()`` holds the pass (epoch) and the batches
+    already yielded in it.
+
+    Lightning saves the ``state_dict`` of stateful training loaders in the checkpoint and, on resume, calls
+    ``load_state_dict`` before iterating: the resumed pass then yields exactly the batches the interrupted run had not
+    reached. With an :class:`EpochShuffleSampler` the skipped windows are never read; with any other sampler (e.g. the
+    one DDP injects) they are read and dropped. A pass that is left unfinished (``limit_train_batches``) counts as done
+    when the next one starts, except across a resume from a checkpoint saved right at that point.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch = 0  # the pass being (or about to be) iterated
+        self._yielded = 0  # batches of that pass handed out so far
+        self._resuming = False
+
+    def __iter__(self):
+        # A generator: the state is read when the first batch is requested, so a load_state_dict after iter() (as
+        # Lightning may call them) still applies.
+        if self._resuming:
+            self._resuming = False
+            if self._yielded >= len(self):
+                self._epoch, self._yielded = self._epoch + 1, 0
+        elif self._yielded:  # the previous pass was left unfinished
+            self._epoch, self._yielded = self._epoch + 1, 0
+        skip = self._yielded
+        if isinstance(self.sampler, EpochShuffleSampler):
+            self.sampler.epoch, self.sampler.start = self._epoch, skip * self.batch_size
+            batches = super().__iter__()
+        else:
+            batches = super().__iter__()
+            for _ in range(skip):
+                next(batches, None)
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+        self._epoch, self._yielded = self._epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batches_yielded": self._yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._epoch = int(state_dict.get("epoch", 0))
+        self._yielded = int(state_dict.get("batches_yielded", 0))
+        self._resuming = True
 
 
 class PromptDataset(Dataset):
@@ -286,6 +362,8 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset: Optional[TokenWindowDataset] = None
         self.train_tokens: Optional[np.ndarray] = None
         self.val_tokens: Optional[np.ndarray] = None
+        self._train_loader: Optional[ResumableDataLoader] = None
+        self._train_loader_state: Optional[dict[str, int]] = None
 
     # ----------------------------------------------------------------- corpus and tokenizer
 
@@ -400,23 +478,41 @@ class TextDataModule(L.LightningDataModule):
     # ----------------------------------------------------------------- loaders
 
     def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool = False, **kwargs: Any) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            dataset,
+        options = dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
             drop_last=drop_last,
-            generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
             **kwargs,
         )
+        if not shuffle:
+            return DataLoader(dataset, shuffle=False, **options)
+        # The generator only seeds workers (the windows need no randomness); the order comes from the sampler.
+        return ResumableDataLoader(dataset, sampler=EpochShuffleSampler(len(dataset), self.seed),
+                                   generator=torch.Generator().manual_seed(self.seed), **options)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled windows (seeded); the last partial batch is dropped when there is at least one full batch."""
+        """Shuffled windows (seeded, a new order each pass); the last partial batch is dropped when there is at least
+        one full batch. The loader is resumable mid-epoch (:class:`ResumableDataLoader`)."""
         self.setup("fit")
-        return self._loader(self.train_dataset, shuffle=True, drop_last=len(self.train_dataset) >= self.batch_size)
+        loader = self._loader(self.train_dataset, shuffle=True, drop_last=len(self.train_dataset) >= self.batch_size)
+        if self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        self._train_loader = loader
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's position. Lightning also saves it with the loop state; keeping it here as well
+        restores it when the loader is built before the loops are restored (``configure_optimizers`` asking
+        ``trainer.estimated_stepping_batches``, Lightning #20550)."""
+        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._train_loader_state = state_dict.get("train_loader")
+        if self._train_loader is not None and self._train_loader_state is not None:
+            self._train_loader.load_state_dict(self._train_loader_state)
 
     def val_dataloader(self) -> DataLoader:
         """All held-out windows, in order."""

@@ -1,0 +1,258 @@
+"""``MTPCouplingMonitor``: what the MTP heads will do at inference, measured on validation data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics import MeanMetric
+from torchmetrics.classification import BinaryCalibrationError
+from typing_extensions import override
+
+from lightning_mtp.callbacks._base import MTPCallback, check_int, require_mtp_module
+from lightning_mtp.callbacks._teacher_forcing import (
+    batch_forward,
+    scored_positions,
+    sequence_logits,
+    teacher_forced_forward,
+)
+from lightning_mtp.mixin import MTPForward, MTPMixin
+
+
+@dataclass
+class AcceptanceStats:
+    """Per-position teacher-forced outcomes of one batch. Lists run over depths k = 1..D (pairs k = 1..D-1)."""
+
+    accept: list[Tensor]
+    """(B, T-k-1) bool: depth k's argmax at i equals the main model's argmax at i+k."""
+    chained: list[Tensor]
+    """(B, T-k-1) bool: depths 1..k all matched at i (the k-th draft of a step starting at i is accepted)."""
+    valid: list[Tensor]
+    """(B, T-k-1) bool: every token drafted or verified (t(i+1)..t(i+k+1)) is scored."""
+    coupling: list[Tensor]
+    """(B, T-k-2) bool: depth k's argmax equals depth k+1's at the same position."""
+    js: list[Tensor]
+    """(B, T-k-2) Jensen-Shannon divergence (nats) between depths k and k+1 at the same position."""
+    confidence: list[Tensor]
+    """(B, T-k-1) top probability of depth k's draft distribution softmax(logits / T_k)."""
+    correct: list[Tensor]
+    """(B, T-k-1) bool: depth k's argmax equals the real token t(i+k+1)."""
+
+    def tau(self, draft_length: int) -> tuple[Tensor, Tensor]:
+        """Tokens per main-model forward for ``draft_length`` drafts, per position, counting the bonus token:
+        1 + Σ_{j ≤ n} chained_j, and the mask of positions where it is defined."""
+        return 1.0 + self.leading_matches(draft_length).float(), self.valid[draft_length - 1]
+
+    def leading_matches(self, draft_length: int) -> Tensor:
+        """(B, T-n-1) long: how many of the ``draft_length`` drafts of a step starting at i are accepted."""
+        length = self.accept[draft_length - 1].shape[1]
+        return sum(self.chained[j][:, :length].long() for j in range(draft_length))
+
+    def tau_walk(self, draft_length: int) -> tuple[Tensor, Tensor]:
+        """(tokens, steps) summed over greedy decoding walks on these tokens, one walk from every scored position.
+
+        A step starting at i emits 1 + its leading matched drafts and the next step starts right after them, as in
+        decoding. Steps start at a biased sample of positions (after long accepts, a position is skipped), so when
+        acceptance is correlated along the sequence, tokens / steps is what decoding measures and the per-position
+        mean of :meth:`tau` is not; with independent positions both agree.
+        """
+        emitted = 1 + self.leading_matches(draft_length)  # (B, L)
+        valid = self.valid[draft_length - 1]
+        batch, length = emitted.shape
+        position = torch.arange(length, device=emitted.device).expand(batch, length).clone()  # a walk per start
+        alive = valid.clone()
+        tokens = torch.zeros((), dtype=torch.long, device=emitted.device)
+        steps = torch.zeros((), dtype=torch.long, device=emitted.device)
+        for _ in range(length):  # every step advances at least one position
+            index = position.clamp(max=length - 1)
+            alive &= (position < length) & valid.gather(1, index)
+            if not bool(alive.any()):
+                break
+            step = emitted.gather(1, index)
+            tokens += (step * alive).sum()
+            steps += alive.sum()
+            position += step
+        return tokens, steps
+
+
+def teacher_forced_acceptance(
+    module: MTPMixin,
+    input_ids: Tensor,
+    labels: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+    fwd: Optional[MTPForward] = None,
+) -> AcceptanceStats:
+    """Greedy acceptance, coupling and calibration inputs of every depth on teacher-forced tokens.
+
+    Args:
+        module: the MTP module (logits come from calling its heads).
+        input_ids: (B, T) tokens.
+        labels: (B, T) targets aligned with ``input_ids``, ``ignore_index`` where not scored (default: input_ids).
+        chunk_size: rows of logits per depth alive at once.
+        fwd: a :func:`teacher_forced_forward` of these tokens, when already computed.
+    """
+    fwd = fwd if fwd is not None else teacher_forced_forward(module, input_ids, labels)
+    labels = fwd.labels
+    depth = len(fwd.depth_hidden)
+    batch, length = labels.shape
+    temperatures = [float(t) for t in module.mtp_draft_temperatures]
+    main_argmax = labels.new_zeros(batch, length - 1)
+    argmax = [labels.new_zeros(batch, length - k - 1) for k in range(1, depth + 1)]
+    confidence = [torch.zeros(batch, length - k - 1, device=labels.device) for k in range(1, depth + 1)]
+    js = [torch.zeros(batch, length - k - 2, device=labels.device) for k in range(1, depth)]
+    for part, main, depths in sequence_logits(module, fwd, chunk_size):
+        main_argmax[part] = main.argmax(-1)
+        for k, logits in enumerate(depths, start=1):
+            argmax[k - 1][part] = logits.argmax(-1)
+            confidence[k - 1][part] = torch.softmax(logits / temperatures[k - 1], dim=-1).amax(-1)
+        for k in range(1, depth):
+            js[k - 1][part] = _jensen_shannon(depths[k - 1][:, : length - k - 2], depths[k])
+    accept, chained, valid, correct = [], [], [], []
+    for k in range(1, depth + 1):
+        span = length - k - 1
+        accept.append(argmax[k - 1] == main_argmax[:, k : k + span])  # draft of t(i+k+1) vs main at i+k
+        chained.append(accept[-1] if k == 1 else chained[-1][:, :span] & accept[-1])
+        valid.append(scored_positions(labels, k, span, module.mtp_config.ignore_index))
+        correct.append(argmax[k - 1] == labels[:, k + 1 : k + 1 + span])
+    coupling = [argmax[k - 1][:, : length - k - 2] == argmax[k] for k in range(1, depth)]
+    return AcceptanceStats(accept, chained, valid, coupling, js, confidence, correct)
+
+
+def _jensen_shannon(logits_p: Tensor, logits_q: Tensor) -> Tensor:
+    """JS(p, q) = ½ KL(p ‖ m) + ½ KL(q ‖ m), m = (p + q) / 2, in nats; (..., V) -> (...)."""
+    log_p, log_q = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+    return 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
+
+
+class MTPCouplingMonitor(MTPCallback):
+    """Logs, on validation, how the MTP heads will behave as drafters.
+
+    For every configured depth k (all of them, whatever ``MTPDepthWarmup`` has activated), on teacher-forced
+    validation tokens, re-running the model under ``no_grad`` after each validation batch:
+
+    - ``val/mtp/coupling_depth{k}``: how often depth k's argmax equals depth k+1's at the same position (k < D);
+    - ``val/mtp/js_depth{k}``: Jensen-Shannon divergence (nats) between depths k and k+1 (k < D);
+    - ``val/mtp/accept_depth{k}``: how often depth k's argmax at i equals the main model's argmax at i+k (greedy
+      acceptance of draft k, unconditional);
+    - ``val/mtp/accept_chained_depth{k}``: the same given depths 1..k-1 matched too (draft k is reached);
+    - ``val/mtp/tau_draft{n}``: expected tokens per main-model forward with n drafts, n = 1..D, counting the bonus
+      token: τ_n = mean over positions of 1 + Σ_{j ≤ n} chained_j;
+    - ``val/mtp/tau_walk_draft{n}``: the same, but averaged over the positions where greedy decoding would start its
+      steps: walks over the tokens that, from every position, emit 1 + the leading matched drafts and jump past them
+      (Σ tokens / Σ steps). Decoding samples step starts this way, so when acceptance is correlated along the text
+      (repetitive code, loops) this is the τ that decoding measures and the per-position mean overestimates it; on
+      the model's own greedy output the walk replays decoding exactly;
+    - ``val/mtp/ece_depth{k}``: expected calibration error (torchmetrics, ``n_bins`` bins, L1) of depth k's draft
+      distribution softmax(logits / T_k) (T_k from ``pl_module.mtp_draft_temperatures``) against the real token.
+
+    Values are means over all scored positions of the epoch (torchmetrics objects, synchronised across ranks). When
+    a coupling passes ``coupling_threshold``, it warns once, on rank zero. Logits come from calling the head modules,
+    so it works under DeepSpeed ZeRO-3.
+
+    Args:
+        coupling_threshold: warn when a coupling (fraction in [0, 1]) exceeds it.
+        n_bins: bins of the calibration error.
+        chunk_size: rows of logits per depth alive at once (default: the MTP loss's chunk size).
+
+    Example::
+
+        from lightning_mtp.callbacks import MTPCouplingMonitor
+
+        trainer = L.Trainer(callbacks=[MTPCouplingMonitor(coupling_threshold=0.5)], val_check_interval=500)
+    """
+
+    def __init__(self, coupling_threshold: float = 0.5, n_bins: int = 15, chunk_size: Optional[int] = None) -> None:
+        if isinstance(coupling_threshold, bool) or not isinstance(coupling_threshold, (int, float)) or not (
+            0 <= coupling_threshold <= 1
+        ):
+            raise ValueError(f"MTPCouplingMonitor.coupling_threshold must be in [0, 1], got {coupling_threshold!r}")
+        self.coupling_threshold = float(coupling_threshold)
+        self.n_bins = check_int("MTPCouplingMonitor.n_bins", n_bins, 1)
+        self.chunk_size = None if chunk_size is None else check_int("MTPCouplingMonitor.chunk_size", chunk_size, 1)
+        self.warned = False
+        self.means: dict[str, MeanMetric] = {}
+        self.calibration: dict[str, BinaryCalibrationError] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(coupling_threshold=self.coupling_threshold)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        depth = require_mtp_module(pl_module, "MTPCouplingMonitor").mtp_config.depth
+        names = [f"val/mtp/{q}_depth{k}" for k in range(1, depth + 1) for q in ("accept", "accept_chained")]
+        names += [f"val/mtp/{q}_depth{k}" for k in range(1, depth) for q in ("coupling", "js")]
+        names += [f"val/mtp/{q}_draft{n}" for n in range(1, depth + 1) for q in ("tau", "tau_walk")]
+        self.means = {name: MeanMetric() for name in names}
+        self.calibration = {f"val/mtp/ece_depth{k}": BinaryCalibrationError(n_bins=self.n_bins, norm="l1")
+                            for k in range(1, depth + 1)}
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for metric in [*self.means.values(), *self.calibration.values()]:
+            metric.reset()
+            metric.to(pl_module.device)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        fwd = batch_forward(pl_module, batch)
+        stats = teacher_forced_acceptance(pl_module, fwd.input_ids, chunk_size=self.chunk_size, fwd=fwd)
+        for k in range(1, len(stats.accept) + 1):
+            valid = stats.valid[k - 1]
+            self._update(f"val/mtp/accept_depth{k}", stats.accept[k - 1], valid)
+            self._update(f"val/mtp/accept_chained_depth{k}", stats.chained[k - 1], valid)
+            self._update(f"val/mtp/tau_draft{k}", *stats.tau(k))
+            tokens, steps = stats.tau_walk(k)
+            if steps > 0:  # a ratio of sums over the epoch: Σ tokens / Σ steps
+                self.means[f"val/mtp/tau_walk_draft{k}"].update(tokens.float() / steps, weight=steps.float())
+            if valid.any():
+                self.calibration[f"val/mtp/ece_depth{k}"].update(stats.confidence[k - 1][valid],
+                                                                 stats.correct[k - 1][valid].long())
+        for k in range(1, len(stats.coupling) + 1):
+            pair_valid = stats.valid[k]  # both depths' targets scored
+            self._update(f"val/mtp/coupling_depth{k}", stats.coupling[k - 1], pair_valid)
+            self._update(f"val/mtp/js_depth{k}", stats.js[k - 1], pair_valid)
+
+    def _update(self, name: str, values: Tensor, valid: Tensor) -> None:
+        if valid.any():
+            self.means[name].update(values[valid].float())
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        values = {}
+        for name, metric in [*self.means.items(), *self.calibration.items()]:
+            if metric.update_count:
+                values[name] = metric.compute()  # synchronised across ranks by torchmetrics
+        if values:
+            pl_module.log_dict(values, on_step=False, on_epoch=True)
+        coupled = {name: float(v) for name, v in values.items()
+                   if name.startswith("val/mtp/coupling_") and float(v) > self.coupling_threshold}
+        if coupled and not self.warned:
+            self.warned = True
+            listed = ", ".join(f"{name} = {v:.3f}" for name, v in coupled.items())
+            rank_zero_warn(
+                f"MTP heads are coupled: {listed} exceeds coupling_threshold = {self.coupling_threshold}. Adjacent "
+                "depths predict the same token, so drafts repeat themselves; consider MTPDiversityRegularizer."
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"warned": self.warned}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.warned = state_dict.get("warned", False)

@@ -1,0 +1,213 @@
+"""``MTPDraftCalibration``: one temperature per MTP depth, fitted on validation data to the main model."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mtp.callbacks._base import MTPCallback, check_int, require_mtp_module
+from lightning_mtp.callbacks._teacher_forcing import batch_forward, scored_positions, sequence_logits
+from lightning_mtp.mixin import MTPForward, MTPMixin
+
+
+class MTPDraftCalibration(MTPCallback):
+    r"""Fits a temperature T_k per depth so that depth k's draft distribution matches the main model's.
+
+    A fixed temperature per draft position is a guess. Instead, on the validation data, T_k minimises the NLL of
+    depth k's tempered distribution under the main model's distribution at the verified position:
+
+    .. math::
+
+        T_k = \arg\min_T \sum_i \mathrm{CE}\big(p_{\mathrm{main}}(\cdot|i+k),\ \mathrm{softmax}(z_k(i) / T)\big)
+            = \arg\min_T \sum_i \mathrm{KL}\big(p_{\mathrm{main}}(\cdot|i+k)\ \|\ \mathrm{softmax}(z_k(i) / T)\big)
+
+    over the positions i whose tokens are scored. With β = 1/T the objective f(β) = Σ_i [logsumexp(β z_i) - β
+    E_{p_main}[z_i]] is convex, with f'(β) = Σ_i (E_{q_β}[z_i] - E_{p_main}[z_i]) and f''(β) = Σ_i Var_{q_β}[z_i].
+    The callback accumulates f, f' and f'' on a log-spaced grid of ``grid_size`` temperatures in
+    [``min_temperature``, ``max_temperature``] over the validation epoch (no logits are kept, only those sums, so
+    memory is constant), brackets the minimum between two grid points and refines it by cubic interpolation.
+
+    At the end of each validation epoch (not the sanity check) it sets ``pl_module.mtp_draft_temperatures``, which the
+    checkpoint saves with the model and which decoding uses for the draft distribution in sampling mode. Logits come
+    from calling the head modules (DeepSpeed ZeRO-3 safe); the sums are all-reduced across ranks.
+
+    Logs ``val/mtp/temperature_depth{k}`` and ``val/mtp/draft_kl_depth{k}`` (mean KL(main ‖ tempered draft) at T_k).
+
+    Args:
+        grid_size: temperatures evaluated per depth (≥ 3).
+        min_temperature: lowest temperature (> 0).
+        max_temperature: highest temperature (> ``min_temperature``).
+        max_batches: calibrate on the first ``max_batches`` validation batches of each epoch (default: all).
+        chunk_size: rows of logits per depth alive at once (default: the MTP loss's chunk size).
+
+    Example::
+
+        from lightning_mtp.callbacks import MTPDraftCalibration
+
+        trainer = L.Trainer(callbacks=[MTPDraftCalibration(max_batches=50)])
+        trainer.validate(model, datamodule)  # model.mtp_draft_temperatures now holds T_1..T_D
+    """
+
+    def __init__(
+        self,
+        grid_size: int = 25,
+        min_temperature: float = 0.05,
+        max_temperature: float = 20.0,
+        max_batches: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+    ) -> None:
+        self.grid_size = check_int("MTPDraftCalibration.grid_size", grid_size, 3)
+        for name, value in (("min_temperature", min_temperature), ("max_temperature", max_temperature)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"MTPDraftCalibration.{name} must be a number > 0, got {value!r}")
+        if max_temperature <= min_temperature:
+            raise ValueError(
+                f"MTPDraftCalibration.max_temperature must be > min_temperature = {min_temperature}, "
+                f"got {max_temperature!r}"
+            )
+        self.min_temperature, self.max_temperature = float(min_temperature), float(max_temperature)
+        self.max_batches = None if max_batches is None else check_int("MTPDraftCalibration.max_batches", max_batches, 1)
+        self.chunk_size = None if chunk_size is None else check_int("MTPDraftCalibration.chunk_size", chunk_size, 1)
+        # β = 1/T from high to low temperature: increasing
+        self.betas = torch.logspace(-math.log10(self.max_temperature), -math.log10(self.min_temperature),
+                                    self.grid_size, dtype=torch.float64)
+        self.fits = 0
+        self._sums: Optional[Tensor] = None  # (D, 3, G): Σ f, f', f'' per depth and grid β; see accumulate()
+        self._counts: Optional[Tensor] = None  # (D,) positions
+        self._entropy: Optional[Tensor] = None  # (D,) Σ H(p_main), to report KL instead of cross-entropy
+        self._batches = 0
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(grid_size=self.grid_size, min_temperature=self.min_temperature,
+                                        max_temperature=self.max_temperature)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_mtp_module(pl_module, "MTPDraftCalibration")
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.reset(pl_module.mtp_config.depth, pl_module.device)
+
+    def reset(self, depth: int, device: Optional[torch.device] = None) -> None:
+        """Empty sums for ``depth`` depths (called at the start of each validation epoch)."""
+        self._sums = torch.zeros(depth, 3, self.grid_size, dtype=torch.float64, device=device)
+        self._counts = torch.zeros(depth, dtype=torch.float64, device=device)
+        self._entropy = torch.zeros(depth, dtype=torch.float64, device=device)
+        self._batches = 0
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking or (self.max_batches is not None and self._batches >= self.max_batches):
+            return
+        self._batches += 1
+        self.accumulate(pl_module, batch_forward(pl_module, batch))
+
+    def accumulate(self, module: MTPMixin, fwd: MTPForward) -> None:
+        """Add one teacher-forced batch (every depth) to the epoch's sums."""
+        labels = fwd.labels
+        length = labels.shape[1]
+        for part, main, depths in sequence_logits(module, fwd, self.chunk_size):
+            for k, logits in enumerate(depths, start=1):
+                span = length - k - 1
+                valid = scored_positions(labels[part], k, span, module.mtp_config.ignore_index)  # (b, span)
+                self.add_logits(k, logits[valid], main[:, k : k + span][valid])  # depth k at i, main at i+k
+
+    def add_logits(self, depth: int, draft_logits: Tensor, main_logits: Tensor) -> None:
+        """Add rows (N, V) of depth ``depth``'s logits z and the main model's logits at the verified positions:
+        Σ f, f', f'' at every grid β, and Σ H(p_main)."""
+        if self._sums is None:
+            raise RuntimeError("MTPDraftCalibration.add_logits before on_validation_epoch_start")
+        z = draft_logits.float()
+        main_logp = torch.log_softmax(main_logits.float(), dim=-1)
+        p = main_logp.exp()
+        expected = (p * z).sum(-1)  # E_main[z], (N,)
+        self._entropy[depth - 1] += -(p * main_logp).sum().double()
+        self._counts[depth - 1] += z.shape[0]
+        for g, beta in enumerate(self.betas.tolist()):
+            scaled = beta * z
+            q = torch.softmax(scaled, dim=-1)
+            mean = (q * z).sum(-1)  # E_q[z]
+            self._sums[depth - 1, 0, g] += (torch.logsumexp(scaled, -1) - beta * expected).sum().double()
+            self._sums[depth - 1, 1, g] += (mean - expected).sum().double()
+            self._sums[depth - 1, 2, g] += ((q * z * z).sum(-1) - mean * mean).clamp(min=0).sum().double()
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self._sums is None:
+            return
+        self._sums, self._counts, self._entropy = (trainer.strategy.reduce(t, reduce_op="sum")
+                                                   for t in (self._sums, self._counts, self._entropy))
+        fitted = self.solve()
+        if not fitted:
+            return
+        temperatures = list(pl_module.mtp_draft_temperatures)
+        logged = {}
+        for k, (temperature, kl) in fitted.items():
+            temperatures[k - 1] = temperature
+            logged[f"val/mtp/temperature_depth{k}"] = temperature
+            logged[f"val/mtp/draft_kl_depth{k}"] = kl
+        pl_module.mtp_draft_temperatures = temperatures
+        self.fits += 1
+        pl_module.log_dict(logged, on_step=False, on_epoch=True)
+
+    def solve(self) -> dict[int, tuple[float, float]]:
+        """{depth: (T_k, mean KL(main ‖ softmax(z / T_k)))} for every depth that saw positions."""
+        fitted = {}
+        for k in range(1, self._sums.shape[0] + 1):
+            count = float(self._counts[k - 1])
+            if count == 0:
+                continue
+            beta, objective = self.fit(self._sums[k - 1])
+            fitted[k] = (1.0 / beta, max(0.0, (objective - float(self._entropy[k - 1])) / count))
+        return fitted
+
+    def fit(self, sums: Tensor) -> tuple[float, float]:
+        """(β*, f(β*)) from the grid sums (3, G) of f, f', f''.
+
+        f is convex in β, so f' increases: the minimum lies between the last grid point with f' ≤ 0 and the next one.
+        Inside that bracket f' is interpolated by the cubic Hermite polynomial through f' and f'' at both ends, and its
+        root found by bisection; f(β*) comes from the cubic Hermite polynomial through f and f'.
+        """
+        values, slopes, curvatures = (sums[i].cpu().double().tolist() for i in range(3))
+        betas = self.betas.tolist()
+        rising = sum(slope <= 0 for slope in slopes)  # grid points left of the minimum
+        if rising == 0:
+            return betas[0], values[0]
+        if rising == len(betas):
+            return betas[-1], values[-1]
+        a, b = rising - 1, rising
+        width = betas[b] - betas[a]
+        slope_at = functools.partial(_hermite, slopes[a], curvatures[a] * width, slopes[b], curvatures[b] * width)
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if slope_at(mid) <= 0 else (low, mid)
+        s = 0.5 * (low + high)
+        value = _hermite(values[a], slopes[a] * width, values[b], slopes[b] * width, s)
+        return betas[a] + s * width, value
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"fits": self.fits}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.fits = state_dict.get("fits", 0)
+
+
+def _hermite(y0: float, dy0: float, y1: float, dy1: float, s: float) -> float:
+    """Cubic Hermite interpolation on [0, 1] through (0, y0, dy0) and (1, y1, dy1), at s."""
+    s2, s3 = s * s, s * s * s
+    return (2 * s3 - 3 * s2 + 1) * y0 + (s3 - 2 * s2 + s) * dy0 + (-2 * s3 + 3 * s2) * y1 + (s3 - s2) * dy1

@@ -1,0 +1,113 @@
+"""MTPDraftCalibration: the fitted temperature against a direct minimisation of the NLL, a known temperature
+recovered, temperatures set on the module and saved in the checkpoint, logging, bad arguments and state."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_mtp.callbacks import MTPDraftCalibration
+from lightning_mtp.callbacks._teacher_forcing import teacher_forced_forward
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train faster on one thread than on two shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def direct_fit(draft_logits, main_logits):
+    """argmin_T mean CE(softmax(main), softmax(z / T)) on a fine log grid, and the KL there."""
+    p = torch.softmax(main_logits.double(), -1)
+    temperatures = torch.logspace(-1.5, 1.5, 6001, dtype=torch.float64)
+    nll = torch.stack([-(p * torch.log_softmax(draft_logits.double() / t, -1)).sum(-1).mean() for t in temperatures])
+    best = int(nll.argmin())
+    entropy = -(p * p.log()).sum(-1).mean()
+    return float(temperatures[best]), float(nll[best] - entropy)
+
+
+def test_recovers_a_known_temperature():
+    torch.manual_seed(0)
+    calibration = MTPDraftCalibration()
+    calibration.reset(depth=2)
+    z = 2 * torch.randn(400, 50)
+    calibration.add_logits(1, z, 2.5 * z)  # the main model is the draft at temperature 0.4
+    calibration.add_logits(2, z, z / 3)  # ... at temperature 3
+    fitted = calibration.solve()
+    assert fitted[1][0] == pytest.approx(0.4, rel=2e-3) and fitted[2][0] == pytest.approx(3.0, rel=2e-3)
+    assert fitted[1][1] == pytest.approx(0.0, abs=1e-4)  # the tempered draft is the main distribution: KL 0
+
+
+def test_fit_on_a_model_matches_direct_minimisation(make_tiny_model):
+    model = make_tiny_model(depth=2, vocab_size=13)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 13, (3, 14))
+    labels = ids.clone()
+    labels[0, 10:] = -100
+    calibration = MTPDraftCalibration(chunk_size=14)  # one sequence per chunk
+    calibration.reset(depth=2)
+    calibration.accumulate(model, teacher_forced_forward(model, ids, labels))
+    fitted = calibration.solve()
+    with torch.no_grad():
+        hidden = model(ids)
+        main = model.lm_head(model.norm(hidden[:, :-1]))  # (B, T-1, V)
+        depth_hidden = model.mtp_forward(hidden, ids).depth_hidden
+    for k in (1, 2):
+        span = ids.shape[1] - k - 1
+        valid = torch.ones(3, span, dtype=torch.bool)
+        for j in range(k + 1):  # t(i+1)..t(i+k+1) scored
+            valid &= labels[:, 1 + j : 1 + j + span] != -100
+        draft = model.lm_head(depth_hidden[k - 1]).detach()[valid]
+        temperature, kl = direct_fit(draft, main[:, k : k + span][valid])
+        assert fitted[k][0] == pytest.approx(temperature, rel=2e-3)
+        assert fitted[k][1] == pytest.approx(kl, rel=1e-2, abs=1e-5)
+
+
+def test_validation_sets_saves_and_logs_the_temperatures(make_tiny_model, tmp_path):
+    model = make_tiny_model(depth=2)
+    model.mtp_active_depth = 1  # every depth is calibrated regardless
+    calibration = MTPDraftCalibration(max_batches=1)
+    data = DataLoader(torch.randint(0, 61, (8, 16), generator=torch.Generator().manual_seed(0)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[calibration], default_root_dir=tmp_path)
+    trainer.validate(model, data, verbose=False)
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    temperatures = model.mtp_draft_temperatures
+    assert temperatures != [1.0, 1.0] and calibration.fits == 1
+    assert [logged[f"val/mtp/temperature_depth{k}"] for k in (1, 2)] == pytest.approx(temperatures)
+    assert {"val/mtp/draft_kl_depth1", "val/mtp/draft_kl_depth2"} <= set(logged)
+    assert calibration._counts.tolist() == [4 * 14, 4 * 13]  # only the first batch (max_batches=1)
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    saved = torch.load(tmp_path / "model.ckpt", weights_only=True)
+    assert saved["mtp"]["draft_temperatures"] == pytest.approx(temperatures)
+    assert saved["callbacks"][calibration.state_key] == {"fits": 1}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(grid_size=2), "grid_size must be an integer >= 3, got 2"),
+        (dict(min_temperature=0.0), "min_temperature must be a number > 0, got 0.0"),
+        (dict(max_temperature=float("inf")), "max_temperature must be a number > 0, got inf"),
+        (dict(min_temperature=2.0, max_temperature=1.0), "max_temperature must be > min_temperature = 2.0, got 1.0"),
+        (dict(max_batches=0), "max_batches must be an integer >= 1, got 0"),
+        (dict(chunk_size=-1), "chunk_size must be an integer >= 1, got -1"),
+    ],
+)
+def test_bad_arguments_quote_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MTPDraftCalibration(**kwargs)
+
+
+def test_setup_rejects_non_mtp_modules_and_state_defaults():
+    with pytest.raises(TypeError, match="MTPDraftCalibration needs a LightningModule that uses MTPMixin"):
+        MTPDraftCalibration().setup(L.Trainer(accelerator="cpu", logger=False), torch.nn.Linear(2, 2), "validate")
+    calibration = MTPDraftCalibration()
+    calibration.load_state_dict({})
+    assert calibration.fits == 0
+    assert calibration.state_key != MTPDraftCalibration(grid_size=9).state_key

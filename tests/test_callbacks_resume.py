@@ -1,0 +1,142 @@
+"""Exact resume: stop a fit mid-epoch (halfway through the depth warmup) and resume it from its checkpoint with every
+MTP callback and the self-distillation term active; the resumed run reproduces the uninterrupted one's losses.
+
+Uses the real TextDataModule on a small slice of the standard library (byte tokenizer) and a tiny CausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_mtp import MTPConfig
+from lightning_mtp.callbacks import (
+    MTPCouplingMonitor,
+    MTPDepthWarmup,
+    MTPDiversityRegularizer,
+    MTPDraftCalibration,
+    MTPWeightSchedule,
+)
+from lightning_mtp.data import TextDataModule
+from lightning_mtp.models import CausalLM, ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train faster on one thread than on two shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+SAVE_AT = 6  # optimizer steps before the interruption: mid epoch 2 of 4-batch epochs, depth 2 of the 1 → 2 → 3 warmup
+STEPS = 8
+
+
+class Recorder(Callback):
+    """Per optimizer step: the training loss and the logged schedule values; per validation: the logged metrics."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+        self.logged: dict[int, dict[str, float]] = {}
+        self.val: dict[int, dict[str, float]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+        self.logged[trainer.global_step] = {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/mtp/")
+        }
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val[trainer.global_step] = {
+                k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")
+            }
+
+
+def fit(tmp_path: Path, cache: Path, *, ckpt_path=None, **trainer_kwargs):
+    torch.manual_seed(0)
+    datamodule = TextDataModule(tokenizer="byte", seq_len=64, batch_size=8, max_bytes=3_000, val_fraction=0.2,
+                                cache_dir=str(cache))
+    model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64),
+                     MTPConfig(depth=3, distill_weight=0.2), learning_rate=3e-3, warmup_steps=3)
+    recorder = Recorder()
+    callbacks = [
+        MTPDepthWarmup(schedule={0: 1, 4: 2, 7: 3}),
+        # λ follows the tokens seen (8 windows of 64 tokens per step): the token counter must survive the resume
+        MTPWeightSchedule(schedule="linear", unit="tokens", start=0.5, end=0.1, until=STEPS * 512, depth_decay=0.8,
+                          distant_ramp=6),
+        MTPDiversityRegularizer(weight={0: 0.0, 3: 0.2}),
+        MTPCouplingMonitor(),
+        MTPDraftCalibration(grid_size=7),
+        recorder,
+        ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVE_AT, save_top_k=-1),
+    ]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
+                        val_check_interval=4, check_val_every_n_epoch=None, callbacks=callbacks,
+                        default_root_dir=tmp_path, **trainer_kwargs)
+    trainer.fit(model, datamodule, ckpt_path=ckpt_path)
+    return trainer, model, recorder
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [
+        pytest.param(dict(max_steps=STEPS), id="max_steps"),
+        # max_epochs: configure_optimizers asks estimated_stepping_batches, which builds the train loader before the
+        # loops are restored (Lightning #20550); the datamodule's own state_dict carries the position then.
+        pytest.param(dict(max_epochs=2), id="max_epochs"),
+    ],
+)
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, trainer_kwargs):
+    cache = tmp_path / "cache"
+    trainer, model, full = fit(tmp_path / "full", cache, **trainer_kwargs)
+    assert trainer.num_training_batches == 4 and trainer.global_step == STEPS  # two epochs; the stop is mid-epoch
+    checkpoint = tmp_path / "full" / "ckpt" / f"epoch=1-step={SAVE_AT}.ckpt"
+    assert checkpoint.is_file()
+    assert torch.load(checkpoint, weights_only=True)["mtp"]["active_depth"] == 2  # halfway through the warmup
+
+    resumed_trainer, resumed, part = fit(tmp_path / "resumed", cache, ckpt_path=str(checkpoint), **trainer_kwargs)
+
+    assert sorted(part.losses) == list(range(SAVE_AT + 1, STEPS + 1))
+    for step, loss in part.losses.items():
+        assert loss == pytest.approx(full.losses[step], abs=1e-6, rel=0), f"step {step}"
+        for name, value in part.logged[step].items():
+            assert value == pytest.approx(full.logged[step][name], abs=1e-6, rel=0), f"{name} at step {step}"
+    assert {"train/mtp/active_depth", "train/mtp/lambda", "train/mtp/weight_depth3", "train/mtp/diversity",
+            "train/mtp/distill"} <= set(part.logged[STEPS])
+    # the validation after the resume, the monitor's and the calibration's metrics included
+    assert part.val[STEPS] == pytest.approx(full.val[STEPS], abs=1e-6)
+    assert resumed.mtp_draft_temperatures == pytest.approx(model.mtp_draft_temperatures, abs=1e-9)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resumable_loader_continues_the_interrupted_pass(num_workers):
+    from lightning_mtp.data.datamodule import EpochShuffleSampler, ResumableDataLoader
+
+    def loader():
+        data = torch.arange(20)
+        return ResumableDataLoader(data, batch_size=3, drop_last=True, sampler=EpochShuffleSampler(20, seed=5),
+                                   num_workers=num_workers)
+
+    reference = loader()
+    passes = [[b.tolist() for b in reference] for _ in range(2)]  # 6 batches per pass, a new order each pass
+    assert passes[0] != passes[1]
+    interrupted = loader()
+    first = iter(interrupted)
+    seen = [next(first).tolist() for _ in range(4)]
+    state = interrupted.state_dict()
+    assert state == {"epoch": 0, "batches_yielded": 4} and seen == passes[0][:4]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == passes[0][4:]  # the rest of the pass, nothing read twice
+    assert [b.tolist() for b in resumed] == passes[1]  # then the next pass, as uninterrupted
+    at_end = loader()
+    at_end.load_state_dict({"epoch": 0, "batches_yielded": 6})  # saved right at the end of a pass
+    assert [b.tolist() for b in at_end] == passes[1]
