@@ -1,0 +1,93 @@
+"""Checkpoints carry MTP metadata, load with weights_only, and a depth mismatch is reported, never silent."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_mtp import MTPConfig
+from lightning_mtp.checkpointing import load_weights
+from lightning_mtp.models import CausalLM, ModelConfig
+
+MODEL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, max_seq_len=32)
+
+
+def fit_and_save(tmp_path, depth, name="model.ckpt", architecture="cascaded"):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=depth, architecture=architecture), warmup_steps=0)
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (8, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    trainer.fit(model, data)
+    path = tmp_path / name
+    trainer.save_checkpoint(path)
+    return model, path
+
+
+def test_metadata_is_plain_and_loads_with_weights_only(tmp_path):
+    model, path = fit_and_save(tmp_path, depth=2)
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["mtp"]["depth"] == 2 and checkpoint["mtp"]["architecture"] == "cascaded"
+    assert checkpoint["mtp"]["config"]["loss_weight"] == 0.3
+    loaded = CausalLM.load_from_checkpoint(path, weights_only=True)
+    assert loaded.mtp_config.depth == 2 and loaded.mtp_load_report.clean
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert loaded.lm_head.weight is loaded.embed.weight  # tying survives the round trip
+
+
+def test_loading_another_depth_reports_new_and_dropped_weights(tmp_path):
+    _, path = fit_and_save(tmp_path, depth=3)
+    with pytest.warns(UserWarning, match=r"dropped weights: mtp_modules\.2 \(depth 3\)"):
+        shallower = CausalLM.load_from_checkpoint(path, weights_only=True, mtp=MTPConfig(depth=2))
+    report = shallower.mtp_load_report
+    assert report.checkpoint_depth == 3 and not report.new
+    assert all(key.startswith("mtp_modules.2.") for key in report.dropped)
+
+    with pytest.warns(UserWarning, match=r"new \(freshly initialised\) weights: mtp_modules\.3 \(depth 4\)"):
+        deeper = CausalLM.load_from_checkpoint(path, weights_only=True, mtp=MTPConfig(depth=4))
+    assert all(key.startswith("mtp_modules.3.") for key in deeper.mtp_load_report.new)
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert torch.equal(deeper.state_dict()["mtp_modules.0.eh_proj.weight"], saved["mtp_modules.0.eh_proj.weight"])
+
+
+def test_plain_checkpoint_without_mtp_weights_loads_with_report(tmp_path):
+    model, path = fit_and_save(tmp_path, depth=1)
+    plain = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp_")}
+    plain_path = tmp_path / "plain.pt"
+    torch.save(plain, plain_path)
+    fresh = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2))
+    fresh.configure_model()
+    with pytest.warns(UserWarning, match="new"):
+        report = load_weights(fresh, str(plain_path))
+    assert report.checkpoint_depth == 0 and len(report.new) > 0 and not report.dropped
+    assert torch.equal(fresh.layers[0].attn.qkv.weight, model.layers[0].attn.qkv.weight)
+
+
+def test_resuming_a_fit_with_another_depth_is_refused_clearly(tmp_path):
+    _, path = fit_and_save(tmp_path, depth=2)
+    model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=3), warmup_steps=0)
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (8, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    with pytest.raises(ValueError, match=r"cannot resume this fit.*--model\.init_from"):
+        trainer.fit(model, data, ckpt_path=path)
+
+
+def test_init_from_starts_a_new_fit_from_another_depths_weights(tmp_path):
+    source, path = fit_and_save(tmp_path, depth=1)
+    model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0, init_from=str(path))
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (8, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    with pytest.warns(UserWarning, match="new"):
+        trainer.fit(model, data)
+    assert model.mtp_load_report.checkpoint_depth == 1
+    assert any(k.startswith("mtp_modules.1.") for k in model.mtp_load_report.new)
+
+
+def test_architecture_mismatch_with_other_shapes_fails_clearly(tmp_path):
+    _, path = fit_and_save(tmp_path, depth=1)
+    with pytest.raises(ValueError, match="another model width"):
+        CausalLM.load_from_checkpoint(path, weights_only=True, model=ModelConfig(**{**MODEL, "dim": 64, "n_heads": 4}))
