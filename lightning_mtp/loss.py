@@ -8,6 +8,8 @@ contributes 0, never NaN (Megatron-LM #1532 and #2417 came from getting this nor
 All depths that share a head are scored by one chunked cross-entropy call with per-row weights w_k / n_k: one fp32
 weight-gradient buffer serves every depth, and no logits are kept for backward. With ``MTPConfig.recompute`` each
 depth's block is activation-checkpointed (:func:`run_depth`), sublayer by sublayer.
+Under DeepSpeed ZeRO-3 (a partitioned head weight) the same loss goes through the head module instead
+(:func:`lightning_mtp.zero.head_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp.kernels import linear_cross_entropy
+from lightning_mtp.zero import head_cross_entropy, is_partitioned
 
 
 def depth_targets(labels: Tensor, depth: int, length: int) -> Tensor:
@@ -47,6 +50,7 @@ class DepthLossSpec:
     weight: float
     ignore_index: int = -100
     chunk_size: Optional[int] = None
+    head: Optional[nn.Module] = None  # the module owning head_weight; called instead when it is ZeRO-3-partitioned
 
     def row_weights(self, device) -> tuple[Tensor, Tensor, Tensor]:
         """Flat targets (N,), per-row weights weight / n_valid (N,) and n_valid."""
@@ -75,10 +79,15 @@ def score_jointly(specs: Sequence[DepthLossSpec], normed: list[Tensor]) -> list[
             rows[i] = None  # the concatenation is the only copy now
         flat = [specs[i].row_weights(hidden.device) for i in members]
         first = specs[members[0]]
-        out = linear_cross_entropy(
-            hidden, first.head_weight, torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat]),
-            first.ignore_index, first.chunk_size, overwrite_hidden=len(members) > 1,
-        )
+        targets, row_weights = torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat])
+        if is_partitioned(first.head_weight):
+            # DeepSpeed ZeRO-3: the weight is an empty partition here; the module call gathers it.
+            if first.head is None:
+                raise ValueError("DepthLossSpec.head is required when head_weight is a DeepSpeed ZeRO-3 partition")
+            out = head_cross_entropy(hidden, first.head, targets, row_weights, first.ignore_index, first.chunk_size)
+        else:
+            out = linear_cross_entropy(hidden, first.head_weight, targets, row_weights, first.ignore_index,
+                                       first.chunk_size, overwrite_hidden=len(members) > 1)
         del hidden
         # The joint loss is attributed to the group's first member; the others carry zero (the sum is what counts).
         losses = [out.loss] + [out.loss.new_zeros(())] * (len(members) - 1)

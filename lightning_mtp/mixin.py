@@ -181,6 +181,10 @@ class MTPMixin:
         """Add ``term(module, forward) -> scalar`` to the training loss; it is logged as ``train/mtp/<name>``."""
         self._mtp_loss_terms[name] = term
 
+    def unregister_mtp_loss_term(self, name: str) -> None:
+        """Remove a term added by :meth:`register_mtp_loss_term` (no error when absent)."""
+        self._mtp_loss_terms.pop(name, None)
+
     def _require_modules(self) -> nn.ModuleList:
         if self.mtp_modules is None:
             self.configure_model()
@@ -193,11 +197,15 @@ class MTPMixin:
             return self.mtp_output_head().weight
         return self.mtp_output_heads[depth - 1].weight
 
+    def mtp_depth_head(self, depth: int) -> nn.Module:
+        """The output head module of ``depth`` (0 = the trunk's own head); call it rather than read its weight."""
+        if depth == 0 or self.mtp_output_heads is None:
+            return self.mtp_output_head()
+        return self.mtp_output_heads[depth - 1]
+
     def mtp_depth_logits(self, depth: int, hidden: Tensor) -> Tensor:
         """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V)."""
-        normed = self.mtp_modules[depth - 1].norm(hidden)
-        head = self.mtp_output_head() if self.mtp_output_heads is None else self.mtp_output_heads[depth - 1]
-        return head(normed)
+        return self.mtp_depth_head(depth)(self.mtp_modules[depth - 1].norm(hidden))
 
     def mtp_forward(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
         """Run every active depth on teacher-forced tokens; returns per-depth normed hidden states.
@@ -250,7 +258,7 @@ class MTPMixin:
                     head_weight = head_weight.detach()  # the MTP loss must not move the shared head
                 loss_spec = DepthLossSpec(head_weight, depth_targets(labels, k, length),
                                           scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
-                                          self._mtp_chunk_size())
+                                          self._mtp_chunk_size(), self.mtp_depth_head(k))
             run = functools.partial(run_depth, modules[k - 1], cos[:, :length], sin[:, :length], recompute)
             if recompute:
                 out, normed = checkpoint(run, h_in, emb_in, use_reentrant=False)
@@ -307,7 +315,7 @@ class MTPMixin:
         fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
         main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
-                             self.mtp_config.ignore_index, self._mtp_chunk_size())
+                             self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
         return self._score(fwd, specs, main)
 
     # ----------------------------------------------------------------- Lightning steps

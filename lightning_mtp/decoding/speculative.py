@@ -14,15 +14,22 @@ gpt-fast style: small functions over tensors, wired together by :func:`decode`.
 
 Finished rows stay in the batch with their position frozen and emit nothing, so each row's output is what decoding
 it alone gives.
+
+Under DeepSpeed ZeRO-3 with several processes every module call all-gathers its parameters, so all ranks must run the
+same number of forwards (HF's ``synced_gpus``). Ranks accept different numbers of drafts, so the loop runs until an
+all-reduced "all done" flag is set; a rank whose rows are all finished runs padding steps (its rows emit nothing), and
+the adaptive draft length is driven by the all-reduced acceptance so every rank drafts the same number of depths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mtp.decoding.config import GenerationConfig
@@ -212,6 +219,35 @@ def check_budget(prompt_lengths: Tensor, max_new_tokens: int, max_context: int) 
         )
 
 
+def needs_rank_sync(module: torch.nn.Module) -> bool:
+    """Whether decoding must keep the ranks in lockstep: DeepSpeed ZeRO-3 parameters and several processes."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def all_ranks(summary: Tensor) -> Tensor:
+    """``[all done, moved, active rows, accepted per depth...]`` (int64) combined over ranks: all done only when
+    every rank is (MIN), moved kept local, counts summed (SUM), so every rank takes the same next step."""
+    done = summary[:1].clone()
+    dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    counts = summary[2:].clone()
+    if counts.numel():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return torch.cat([done, summary[1:2], counts])
+
+
+def gathered_output_head(module: torch.nn.Module):
+    """A context in which the (ZeRO-3) output head weight is whole: the drafter reads its shape and dtype."""
+    head = getattr(module, "mtp_output_head", None)
+    weight = getattr(head(), "weight", None) if callable(head) else None
+    if weight is None or not hasattr(weight, "ds_id") or weight.numel() > 0:  # not partitioned, or already whole
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight])
+
+
 # ----------------------------------------------------------------------------------------------- the steps
 def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts: int) -> DecodeState:
     batch, width = prompts.shape
@@ -331,8 +367,12 @@ def decode(
     lengths: Tensor,
     config: GenerationConfig,
     generator: Optional[torch.Generator] = None,
+    sync_ranks: bool = False,
 ) -> GenerateOutput:
-    """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding."""
+    """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
+
+    ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
+    """
     start = time.perf_counter()
     device = prompts.device
     params = SamplingParams(config.temperature, config.top_k, config.top_p)
@@ -348,7 +388,10 @@ def decode(
     state = new_state(prompts, lengths, config.max_new_tokens, max_drafts)
     cache_len = state.tokens.shape[1]  # prompt + budget + k + 1 spare slots
     cache = host.allocate(batch, cache_len)
-    draft_state = drafter.allocate(batch, cache_len) if drafter is not None else None
+    draft_state = None
+    if drafter is not None:
+        with gathered_output_head(getattr(drafter, "module", None)) if sync_ranks else contextlib.nullcontext():
+            draft_state = drafter.allocate(batch, cache_len)
 
     hidden, positions, logits = prefill(host, cache, state)
     if drafter is not None:
@@ -359,7 +402,7 @@ def decode(
     host.rollback(cache, state.newest)
     length_policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
 
-    finished = bool(state.done.all())
+    finished = _all_done(state, sync_ranks)
     while not finished:
         active = ~state.done
         if drafter is None:
@@ -367,7 +410,7 @@ def decode(
             token = choose_tokens(logits[:, 0], params, generator)  # (B,)
             emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, eos)
             host.rollback(cache, state.newest)
-            finished = bool(state.done.all())
+            finished = _all_done(state, sync_ranks)
             continue
         drafts = drafter.draft(draft_state, state.tokens, state.newest, length_policy.next(), draft_params, generator,
                                config.draft_confidence_threshold)
@@ -380,6 +423,8 @@ def decode(
         host.rollback(cache, state.newest)
         # The step's one host sync: all done?, how far rows moved (drafter windows), acceptance (adaptive length).
         summary = torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
+        if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
+            summary = all_ranks(summary.long())
         finished, moved, active_rows, *reached = summary.tolist()
         drafter.commit(draft_state, int(moved))
         length_policy.update(reached, int(active_rows))
@@ -388,6 +433,13 @@ def decode(
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     return finish(state, config.max_new_tokens, max_drafts, batch, elapsed)
+
+
+def _all_done(state: DecodeState, sync_ranks: bool) -> bool:
+    done = state.done.all().long().view(1)
+    if sync_ranks:
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done.item())
 
 
 def finish(state: DecodeState, max_new_tokens: int, max_drafts: int, batch: int, elapsed: float) -> GenerateOutput:
@@ -465,7 +517,14 @@ def generate(
     device, _ = module_device_dtype(module)
     prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
     check_budget(lengths, config.max_new_tokens, host.max_context)
-    out = decode(host, drafter, prompts, lengths, config, generator)
+    sync_ranks = needs_rank_sync(module)
+    if sync_ranks and config.draft_confidence_threshold is not None and speculative:
+        raise ValueError(
+            "draft_confidence_threshold (--model.generation.draft_confidence_threshold) cannot be used with DeepSpeed "
+            "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
+            "of parameter all-gathers, and deadlock; leave it unset"
+        )
+    out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     return GenerateOutput(out.sequences.clone(), out.new_tokens.clone(), out.num_new_tokens.clone(),
                           out.prompt_lengths.clone(), out.stats)

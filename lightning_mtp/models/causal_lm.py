@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
@@ -143,9 +144,10 @@ class CausalLM(MTPMixin, L.LightningModule):
         residual_std = 0.02 / math.sqrt(2 * self.model_config.n_layers)
         for root in modules:
             for name, module in root.named_modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)) and not hasattr(module.weight, "ds_id"):
+                if isinstance(module, (nn.Linear, nn.Embedding)):
                     std = residual_std if name.endswith(("proj", "down")) and not name.endswith("eh_proj") else 0.02
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                    with gathered_for_init(module.weight):
+                        nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def _ensure_built(self) -> None:
         if self.embed is None or self.mtp_modules is None:
@@ -224,7 +226,8 @@ class CausalLM(MTPMixin, L.LightningModule):
         for name, param in self.named_parameters():
             if not param.requires_grad:
                 continue
-            (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions are flat: use the real shape
+            (decay if ndim >= 2 and "embed" not in name else no_decay).append(param)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.learning_rate, betas=(0.9, 0.95),
@@ -240,6 +243,15 @@ class CausalLM(MTPMixin, L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def gathered_for_init(weight: Tensor):
+    """Under DeepSpeed ZeRO-3 (``deepspeed.zero.Init``), the whole weight, initialised on rank 0 and re-partitioned."""
+    if not hasattr(weight, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=0)
 
 
 def load_causal_lm(path: str, **overrides: Union[MTPConfig, dict]) -> CausalLM:
