@@ -1,0 +1,158 @@
+"""``transformers`` decoding against lightning-mtp's self-speculative decoding, on the same HF model, in one run.
+
+1. Train a tiny ``transformers`` Llama (through :class:`~lightning_mtp.models.HFCausalLM`, next-token loss only) on
+   the default corpus (``TextDataModule``, byte tokenizer) for ``--trunk-seconds``, and ``save_pretrained`` it.
+2. Retrofit: load it back with ``from_pretrained``, freeze the trunk and train only D MTP heads for
+   ``--heads-seconds``.
+3. Decode the same held-out prompts (batch 1, greedy, no EOS: every run emits ``--max-new-tokens``) with
+   - ``transformers`` greedy ``generate``;
+   - ``transformers`` prompt-lookup decoding (``generate(prompt_lookup_num_tokens=...)``);
+   - lightning-mtp plain decoding over the same ``transformers`` KV cache (``speculative=False``);
+   - lightning-mtp self-speculative decoding with the MTP heads.
+
+Reports tokens/s (median over ``--repeats`` interleaved repeats), tau for lightning-mtp (tokens per main-model forward,
+bonus token counted), and whether each output equals ``transformers`` greedy ``generate`` token for token. Writes
+``benchmarks/results/hf_compare.json``.
+
+Usage::
+
+    python benchmarks/hf_compare.py                                          # default: about 4 minutes on 2 CPU cores
+    python benchmarks/hf_compare.py --trunk-seconds 20 --heads-seconds 10 --prompts 2   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_mtp import MTPConfig  # noqa: E402
+from lightning_mtp.data import TextDataModule  # noqa: E402
+from lightning_mtp.models import HFCausalLM  # noqa: E402
+
+
+def fit(model: HFCausalLM, data: TextDataModule, seconds: float) -> dict:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", max_time={"seconds": seconds}, max_steps=-1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, gradient_clip_val=1.0)
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"steps": trainer.global_step, "seconds": time.perf_counter() - start, "last_metrics": metrics}
+
+
+def prompts_from(data: TextDataModule, count: int, length: int) -> list[torch.Tensor]:
+    tokens = torch.as_tensor(data.val_tokens[: count * 97 + length].astype("int64"))
+    return [tokens[i * 97 : i * 97 + length].view(1, -1) for i in range(count)]  # (1, P) each
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trunk-seconds", type=float, default=120.0)
+    parser.add_argument("--heads-seconds", type=float, default=60.0)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-lookup", type=int, default=3, help="transformers' prompt_lookup_num_tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-bytes", type=int, default=3_000_000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_compare.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    data = TextDataModule(tokenizer="byte", seq_len=128, batch_size=16, max_bytes=args.max_bytes,
+                          cache_dir=str(ROOT / ".cache" / "lightning_mtp"))
+    data.prepare_data()
+    data.setup("fit")
+    llama = dict(vocab_size=data.vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+    # 1. The "already trained" HF model: next-token loss only (λ = 0; the one MTP depth is discarded).
+    trunk_model = HFCausalLM("llama", llama, mtp=MTPConfig(depth=1, loss_weight=0.0), learning_rate=3e-3,
+                             warmup_steps=20, attn_implementation="sdpa")
+    trunk_info = fit(trunk_model, data, args.trunk_seconds)
+    pretrained = Path(tempfile.mkdtemp()) / "tiny-llama"
+    trunk_model.trunk.save_pretrained(pretrained)
+
+    # 2. Retrofit: heads only, on the frozen from_pretrained trunk.
+    model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
+                       learning_rate=3e-3, warmup_steps=20, attn_implementation="sdpa")
+    heads_info = fit(model, data, args.heads_seconds)
+    model.eval()
+    hf = model.trunk
+
+    # 3. Decode.
+    prompts = prompts_from(data, args.prompts, args.prompt_tokens)
+    n = args.max_new_tokens
+
+    def hf_greedy(ids):
+        return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+
+    def hf_lookup(ids):
+        return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           prompt_lookup_num_tokens=args.prompt_lookup)[0, ids.shape[1]:]
+
+    taus = {}
+
+    def ours(speculative):
+        def run(ids):
+            out = model.generate(ids, n, speculative=speculative)
+            taus.setdefault(speculative, []).append(out.stats.tau)
+            return out.new_tokens[0]
+        return run
+
+    decoders = {"transformers_greedy": hf_greedy, "transformers_prompt_lookup": hf_lookup,
+                "lightning_mtp_plain": ours(False), "lightning_mtp_speculative": ours(True)}
+    with torch.inference_mode():
+        for run in decoders.values():  # warm-up
+            run(prompts[0])
+        reference = [hf_greedy(ids).tolist() for ids in prompts]
+        times = {name: [] for name in decoders}
+        equal = {name: True for name in decoders}
+        for _ in range(args.repeats):
+            for name, run in decoders.items():
+                start = time.perf_counter()
+                outputs = [run(ids).tolist() for ids in prompts]
+                times[name].append(time.perf_counter() - start)
+                equal[name] &= outputs == reference
+
+    tokens = n * len(prompts)
+    greedy_tps = tokens / statistics.median(times["transformers_greedy"])
+    rows = []
+    for name in decoders:
+        tps = tokens / statistics.median(times[name])
+        row = {"decoder": name, "tokens_per_s": tps, "speedup_vs_transformers_greedy": tps / greedy_tps,
+               "equals_transformers_greedy": equal[name]}
+        if name.startswith("lightning_mtp"):
+            row["tau"] = statistics.mean(taus[name.endswith("speculative")])
+        rows.append(row)
+        print(f"{name:28s} {tps:8.1f} tok/s  x{tps / greedy_tps:4.2f}  equal={equal[name]}"
+              + (f"  tau={row['tau']:.2f}" if "tau" in row else ""))
+    result = {
+        "setup": {**vars(args), "out": str(args.out), "model": llama, "torch_threads": torch.get_num_threads(),
+                  "tokens_per_decoder_run": tokens, "batch_size": 1,
+                  "tau_counts_bonus_token": True, "timing": "median over repeats of the whole prompt set"},
+        "trunk_training": trunk_info, "heads_training": heads_info, "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

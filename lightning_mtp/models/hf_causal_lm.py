@@ -1,0 +1,349 @@
+"""``HFCausalLM``: any Hugging Face ``transformers`` causal LM as an MTP host.
+
+The trunk is a ``*ForCausalLM`` built from a config (``model_type`` + keyword arguments, or a config dict from YAML)
+or loaded from a *local* directory with ``from_pretrained`` (nothing is fetched from a hub). The MTP modules share
+the model's ``get_input_embeddings()`` and ``get_output_embeddings()``; decoding uses the model's own ``DynamicCache``
+through :class:`~lightning_mtp.decoding.hf_host.HFCacheHost`.
+
+Which hidden state the MTP modules read: ``transformers`` base models return ``last_hidden_state`` *after* their
+final norm (``LlamaModel.norm``, ``GPT2Model.ln_f``, ...), and the same holds for ``output_hidden_states[-1]``. We use
+that output as the trunk state h_0 and report ``mtp_final_norm()`` = identity, so the next-token loss is
+``lm_head(h_0)`` exactly as the model computes it, and ``MTPMixin``'s contract ("pre-final-norm state + final norm =
+what the head reads") holds for every architecture without locating the norm module or hooking into it. The MTP
+modules normalise h_0 again (DeepSeek-V3's ``hnorm``); an RMSNorm of an already-normalised state is harmless.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_mtp import MTPConfig
+    >>> from lightning_mtp.models import HFCausalLM
+    >>> model = HFCausalLM("llama", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                    num_attention_heads=4, max_position_embeddings=128), mtp=MTPConfig(depth=2))
+    >>> model.configure_model()
+    >>> model.compute_lm_loss(torch.randint(0, 64, (2, 16))).depth_losses.shape
+    torch.Size([2])
+
+Retrofit (Medusa-1 style): ``HFCausalLM(pretrained="path/to/dir", freeze_trunk=True)`` freezes the trunk, detaches
+the MTP loss from it, trains only the heads, and its checkpoints (and :meth:`HFCausalLM.save_mtp_heads`) hold only the
+MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` restores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import asdict
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_mtp import checkpointing
+from lightning_mtp.config import MTPConfig
+from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
+from lightning_mtp.layers import mlp_hidden_size
+from lightning_mtp.mixin import MTPMixin
+
+TRUNK_PREFIX = "trunk."
+HEADS_ONLY_KEY = "mtp_heads_only"
+
+
+def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: Optional[str],
+                attn_implementation: Optional[str]) -> nn.Module:
+    """A ``*ForCausalLM`` from a local directory or from ``AutoConfig.for_model(model_type, **config)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if pretrained is not None:
+        if model_type is not None or config:
+            raise ValueError("HFCausalLM: give either pretrained (--model.init_args.pretrained) or "
+                             "model_type/config (--model.init_args.model_type / .config), not both")
+        if not os.path.isdir(pretrained):
+            raise ValueError(f"HFCausalLM.pretrained (--model.init_args.pretrained) must be a local directory saved "
+                             f"with save_pretrained; got {pretrained!r} (nothing is downloaded from a hub)")
+        return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, **extra)
+    config = {key: _scalar(value) for key, value in (config or {}).items()}
+    model_type = config.pop("model_type", None) if model_type is None else model_type
+    config.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("HFCausalLM needs model_type (--model.init_args.model_type, e.g. llama) with config, "
+                         "or pretrained (--model.init_args.pretrained, a local directory)")
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), **extra)
+
+
+def check_trunk(model: nn.Module) -> None:
+    """Raise a ``TypeError`` naming the model class when it lacks what MTP training and decoding need."""
+    name = type(model).__name__
+    getters = ("get_input_embeddings", "get_output_embeddings", "base_model", "config")
+    missing = [g for g in getters if not hasattr(model, g)]
+    if missing:
+        raise TypeError(f"{name} cannot host MTP heads: it has no {', '.join(missing)} "
+                        "(use a transformers *ForCausalLM model)")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embed, nn.Embedding):
+        raise TypeError(f"{name}.get_input_embeddings() must return an nn.Embedding, got {type(embed).__name__}")
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"{name}.get_output_embeddings() must return an nn.Linear LM head, got {type(head).__name__}")
+    if head.bias is not None:
+        raise TypeError(f"{name}'s LM head has a bias; MTP depths share the head's weight only, so heads with a "
+                        "bias are not supported")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(f"{name} is an encoder-decoder model; HFCausalLM needs a decoder-only causal LM")
+
+
+class HFCausalLM(MTPMixin, L.LightningModule):
+    """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
+
+    Args:
+        model_type: ``transformers`` model type (``"llama"``, ``"qwen2"``, ``"gpt2"``, ...) for a fresh trunk.
+        config: keyword arguments of that model type's config (may also carry ``model_type``).
+        pretrained: a local directory written by ``save_pretrained``; the trunk's weights come from it.
+        mtp: the MTP heads and loss.
+        freeze_trunk: train only the MTP modules (retrofit): the trunk's parameters (shared embedding and head
+            included) get no gradient, the trunk stays in eval mode, ``mtp.detach_trunk`` is forced on, and
+            checkpoints hold only the MTP weights (see ``save_trunk``).
+        save_trunk: keep the trunk's weights in Lightning checkpoints (default: ``not freeze_trunk``).
+        mtp_heads: a heads-only checkpoint (:meth:`save_mtp_heads`, or a fit with ``freeze_trunk``) loaded into the
+            MTP modules when they are built.
+        learning_rate: AdamW peak learning rate.
+        weight_decay: AdamW decoupled weight decay on matrices (not on norms, biases or embeddings).
+        warmup_steps: linear warmup, then cosine decay to 10% over the run.
+        attn_implementation: passed to ``transformers`` (``"sdpa"``, ``"eager"``; ``None``: its default).
+        generation: how ``predict_step`` decodes.
+        trunk: Python only: an already-built ``*ForCausalLM`` to wrap (instead of the three trunk arguments).
+    """
+
+    def __init__(
+        self,
+        model_type: Optional[str] = None,
+        config: Optional[dict] = None,
+        pretrained: Optional[str] = None,
+        mtp: Union[MTPConfig, dict, None] = None,
+        freeze_trunk: bool = False,
+        save_trunk: Optional[bool] = None,
+        mtp_heads: Optional[str] = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        attn_implementation: Optional[str] = None,
+        generation: Union[GenerationConfig, dict, None] = None,
+        trunk: Optional[nn.Module] = None,
+    ) -> None:
+        mtp = MTPConfig(**mtp) if isinstance(mtp, dict) else (mtp or MTPConfig())
+        if freeze_trunk and not mtp.detach_trunk:
+            mtp = dataclasses.replace(mtp, detach_trunk=True)  # a frozen trunk must not receive the MTP gradient
+        super().__init__(mtp=mtp)
+        if not learning_rate > 0:
+            raise ValueError(f"--model.init_args.learning_rate must be > 0, got {learning_rate!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"--model.init_args.weight_decay must be >= 0, got {weight_decay!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"--model.init_args.warmup_steps must be >= 0, got {warmup_steps!r}")
+        if trunk is None:
+            trunk = build_trunk(model_type, config, pretrained, attn_implementation)
+        check_trunk(trunk)
+        self.trunk = trunk
+        self.freeze_trunk = freeze_trunk
+        self.save_trunk = (not freeze_trunk) if save_trunk is None else save_trunk
+        self.mtp_heads = mtp_heads
+        self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
+        generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
+        self.generation_config = generation or GenerationConfig()
+        self.mtp_generate_kwargs = self.generation_config.to_kwargs()
+        if freeze_trunk:
+            self.trunk.requires_grad_(False)
+            self.trunk.eval()
+        # Plain types only (checkpoints load with weights_only=True). A wrapped or pretrained trunk is described by
+        # its config, so load_from_checkpoint rebuilds the architecture and the state dict fills the weights.
+        if pretrained is None:
+            model_type, config = trunk.config.model_type, _plain_config(trunk.config)
+        self.save_hyperparameters({
+            "model_type": model_type, "config": config, "pretrained": pretrained, "mtp": asdict(self.mtp_config),
+            "freeze_trunk": freeze_trunk, "save_trunk": save_trunk, "mtp_heads": mtp_heads,
+            "learning_rate": learning_rate, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+            "attn_implementation": attn_implementation, "generation": asdict(self.generation_config),
+        })
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs: Any) -> HFCausalLM:
+        """Wrap an already-built ``transformers`` ``*ForCausalLM`` (e.g. one just trained)."""
+        return cls(trunk=model, **kwargs)
+
+    # ----------------------------------------------------------------- construction
+    def configure_model(self) -> None:
+        built = self.mtp_modules is None
+        super().configure_model()
+        if built:
+            dtype = self.trunk.get_input_embeddings().weight.dtype
+            self.mtp_modules.to(dtype)
+            if self.mtp_output_heads is not None:
+                self.mtp_output_heads.to(dtype)
+            if self.mtp_heads:
+                self.mtp_load_report = self.load_mtp_heads(self.mtp_heads)
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)
+        if self.freeze_trunk:
+            self.trunk.eval()  # no dropout in a frozen trunk: the heads learn its inference-time states
+        return self
+
+    # ----------------------------------------------------------------- what MTPMixin needs
+    def mtp_token_embedding(self) -> nn.Embedding:
+        return self.trunk.get_input_embeddings()
+
+    def mtp_output_head(self) -> nn.Linear:
+        return self.trunk.get_output_embeddings()
+
+    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
+        return self(input_ids)
+
+    def mtp_block_spec(self) -> dict:
+        cfg = self.trunk.config.get_text_config()
+        dim = cfg.hidden_size
+        n_heads = self.mtp_config.num_heads or cfg.num_attention_heads
+        n_kv = None if self.mtp_config.num_heads else getattr(cfg, "num_key_value_heads", None)
+        if self.mtp_config.mlp_ratio:
+            mlp_hidden = mlp_hidden_size(dim, self.mtp_config.mlp_ratio)
+        else:  # the trunk's own SwiGLU width where it has one, else the usual 8/3 · H
+            mlp_hidden = getattr(cfg, "intermediate_size", None) or mlp_hidden_size(dim, 8 / 3)
+        eps = getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", None) or 1e-6
+        return dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv, mlp_hidden=mlp_hidden, eps=eps,
+                    max_positions=self.max_positions + self.mtp_config.depth + 1)
+
+    def mtp_vocab_size(self) -> int:
+        return self.mtp_output_head().out_features
+
+    def mtp_decoding_host(self) -> HFCacheHost:
+        self._require_modules()
+        new_rollbackable_cache(self.trunk)  # refuse non-rollbackable caches before decoding starts
+        return HFCacheHost(self.trunk, self.max_context)
+
+    # ----------------------------------------------------------------- trunk
+    @property
+    def max_positions(self) -> int:
+        cfg = self.trunk.config.get_text_config()
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 4096)
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generation budget: verification addresses D positions past it, which must still be valid
+        positions for models with learned position embeddings (GPT-2)."""
+        return self.max_positions - self.mtp_config.depth
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """The trunk's last hidden state (B, T, H) from the model's own output (after its final norm)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_trunk):
+            out = self.trunk.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits (B, T, V) from :meth:`forward`'s hidden states."""
+        return self.mtp_output_head()(hidden)
+
+    # ----------------------------------------------------------------- heads-only checkpoints
+    def mtp_state_dict(self) -> dict[str, Tensor]:
+        """The MTP modules' weights (no trunk weight; the shared embedding and head belong to the trunk)."""
+        self._require_modules()
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(TRUNK_PREFIX)}
+
+    def save_mtp_heads(self, path: str) -> None:
+        """Write the MTP weights and metadata only (``torch.load(weights_only=True)`` reads it)."""
+        torch.save({"state_dict": self.mtp_state_dict(), checkpointing.CHECKPOINT_KEY: checkpointing.mtp_metadata(self),
+                    HEADS_ONLY_KEY: True, "trunk": _trunk_summary(self.trunk)}, path)
+
+    def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
+        """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        self._check_trunk_summary(checkpoint, path)
+        state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if not k.startswith(TRUNK_PREFIX)}
+        checkpoint = {**checkpoint, "state_dict": state}
+        report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=False)
+        missing, unexpected = self.load_state_dict(checkpoint["state_dict"], strict=False)
+        missing = [k for k in missing if not k.startswith(TRUNK_PREFIX)]
+        if missing or unexpected:
+            raise ValueError(f"{path} does not fit {type(self).__name__}: missing {missing}, unexpected {unexpected}")
+        checkpointing.restore_runtime_state(self, checkpoint)
+        return report
+
+    def _check_trunk_summary(self, checkpoint: dict, path: str) -> None:
+        saved, own = checkpoint.get("trunk"), _trunk_summary(self.trunk)
+        if saved and (saved["hidden_size"], saved["vocab_size"]) != (own["hidden_size"], own["vocab_size"]):
+            raise ValueError(f"{path} holds MTP heads for a {saved['class']} (hidden {saved['hidden_size']}, vocab "
+                             f"{saved['vocab_size']}), but this trunk is a {own['class']} (hidden "
+                             f"{own['hidden_size']}, vocab {own['vocab_size']})")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if not self.save_trunk and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                        if not k.startswith(TRUNK_PREFIX)}
+            checkpoint[HEADS_ONLY_KEY] = True
+            checkpoint["trunk"] = _trunk_summary(self.trunk)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if checkpoint.get(HEADS_ONLY_KEY) and "state_dict" in checkpoint:
+            # The trunk comes from `pretrained`; fill its keys so that Lightning's strict load succeeds.
+            self._check_trunk_summary(checkpoint, "the checkpoint")
+            own = {k: v for k, v in self.state_dict().items() if k.startswith(TRUNK_PREFIX)}
+            checkpoint["state_dict"] = {**own, **checkpoint["state_dict"]}
+        super().on_load_checkpoint(checkpoint)
+
+    # ----------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            embedding = "embed" in name or ".wte." in name or ".wpe." in name
+            (decay if param.dim() >= 2 and not embedding else no_decay).append(param)
+        if not decay and not no_decay:
+            raise ValueError(f"{type(self).__name__} has no trainable parameter (frozen trunk and no MTP modules?)")
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.learning_rate, betas=(0.9, 0.95),
+        )
+        estimate = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1.0
+        total = max(1, int(estimate)) if math.isfinite(estimate) else None  # None: a time budget, no known end
+        warmup = self.warmup_steps
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if total is None:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _scalar(value: Any) -> Any:
+    """``"258"`` -> 258: dotted CLI overrides of a ``dict`` argument (``--model.init_args.config.hidden_size 64``)
+    arrive as strings; YAML scalars are read as YAML would (other strings, e.g. ``silu``, stay strings)."""
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+
+
+def _plain_config(config: Any) -> dict:
+    """The config's non-default values as plain types (for hyperparameters)."""
+    plain = config.to_diff_dict()
+    plain.pop("transformers_version", None)
+    plain.pop("architectures", None)
+    return {k: v for k, v in plain.items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+
+
+def _trunk_summary(model: nn.Module) -> dict:
+    cfg = model.config.get_text_config()
+    return {"class": type(model).__name__, "model_type": model.config.model_type,
+            "hidden_size": int(cfg.hidden_size), "vocab_size": int(model.get_output_embeddings().out_features)}

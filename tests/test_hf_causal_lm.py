@@ -1,0 +1,277 @@
+"""``HFCausalLM`` and its ``transformers`` KV-cache decoding host, checked against ``transformers`` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="HFCausalLM needs the optional transformers dependency")
+
+from lightning_mtp import MTPConfig  # noqa: E402
+from lightning_mtp.decoding import GenerationConfig, decoding_host  # noqa: E402
+from lightning_mtp.decoding.drafting import Drafts  # noqa: E402
+from lightning_mtp.decoding.hf_host import HFCacheHost  # noqa: E402
+from lightning_mtp.decoding.speculative import decode, prepare_prompts  # noqa: E402
+from lightning_mtp.models import HFCausalLM  # noqa: E402
+
+VOCAB = 96
+EOS = 3
+CONFIGS = {
+    "llama": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False),
+    "qwen2": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True),
+    "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128),
+}
+
+
+def hf_model(model_type: str, depth: int = 3, **kwargs) -> HFCausalLM:
+    torch.manual_seed(0)
+    config = {**CONFIGS[model_type], "bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": 0}
+    model = HFCausalLM(model_type, config, mtp=MTPConfig(depth=depth), **kwargs)
+    model.configure_model()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: hf_model(name) for name in CONFIGS}
+
+
+def hf_generate(model: HFCausalLM, ids, mask=None, new=24, eos=None):
+    """``transformers``' own greedy ``generate``: the reference. Returns each row's new tokens (list of lists)."""
+    out = model.trunk.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                               eos_token_id=eos)[:, ids.shape[1]:]
+    rows = []
+    for row in out.tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        rows.append(row)
+    return rows
+
+
+def our_tokens(out) -> list[list[int]]:
+    return [row[:n] for row, n in zip(out.new_tokens.tolist(), out.num_new_tokens.tolist())]
+
+
+def left_padded_prompts(lengths=(9, 5, 2, 7), width=9, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width) >= width - torch.tensor(lengths).unsqueeze(1)).long()  # (B, W) left padding
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+# ----------------------------------------------------------------------------------------------- construction
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_shares_the_models_embedding_and_head(models, model_type):
+    model = models[model_type]
+    assert model.mtp_token_embedding() is model.trunk.get_input_embeddings()
+    assert model.mtp_output_head() is model.trunk.get_output_embeddings()
+    tied = model.trunk.config.get_text_config().tie_word_embeddings
+    assert (model.mtp_output_head().weight is model.mtp_token_embedding().weight) == tied
+    # The trunk state is the model's own final hidden state (after its final norm); the head on it is its logits.
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        hidden = model(ids)
+        reference = model.trunk(ids, output_hidden_states=True)
+    torch.testing.assert_close(hidden, reference.hidden_states[-1])
+    torch.testing.assert_close(model.logits(model.mtp_final_norm()(hidden)), reference.logits)
+
+
+def test_training_loss_backpropagates_into_trunk_and_heads():
+    model = hf_model("llama", depth=2).train()
+    out = model.compute_lm_loss(torch.randint(0, VOCAB, (2, 16)))
+    out.loss.backward()
+    assert out.depth_losses.shape == (2,) and torch.isfinite(out.loss)
+    assert model.trunk.get_input_embeddings().weight.grad is not None
+    assert all(p.grad is not None for p in model.mtp_modules.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_speculative_greedy_equals_transformers_generate_batch_1(models, model_type):
+    model = models[model_type]
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=24)
+    assert our_tokens(out) == hf_generate(model, ids)
+    assert out.stats.max_drafts == 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_speculative_greedy_equals_transformers_generate_left_padded(models, model_type):
+    model = models[model_type]
+    ids, mask = left_padded_prompts()
+    out = model.generate(ids, max_new_tokens=20, attention_mask=mask, eos_token_id=EOS)
+    assert our_tokens(out) == hf_generate(model, ids, mask, new=20, eos=EOS)
+    plain = model.generate(ids, max_new_tokens=20, attention_mask=mask, eos_token_id=EOS, speculative=False)
+    assert our_tokens(plain) == our_tokens(out)
+
+
+class OracleDrafter:
+    """Proposes the true continuation, corrupted at a random depth per row and step: ragged acceptance."""
+
+    max_drafts = 3
+
+    def __init__(self, reference, vocab: int, seed: int = 0):
+        self.reference, self.vocab = reference, vocab  # (B, L) packed prompt + true continuation
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def allocate(self, batch_size, max_len):
+        return None
+
+    def observe(self, state, hidden, positions):
+        pass
+
+    def commit(self, state, advanced):
+        pass
+
+    def draft(self, state, tokens, newest, num_drafts, params, generator=None, confidence_threshold=None):
+        batch = tokens.shape[0]
+        positions = (newest.unsqueeze(1) + 1 + torch.arange(num_drafts)).clamp(max=self.reference.shape[1] - 1)
+        truth = self.reference.gather(1, positions)  # (B, k)
+        correct = torch.randint(0, num_drafts + 1, (batch, 1), generator=self.gen)  # drafts right per row
+        drafts = torch.where(torch.arange(num_drafts) < correct, truth, (truth + 1) % self.vocab)
+        tokens.scatter_(1, positions, drafts)
+        return Drafts(drafts, None)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_ragged_acceptance_rolls_back_the_transformers_cache(models, model_type):
+    """Rows accept different numbers of drafts each step; the masked/cropped DynamicCache keeps every row exact."""
+    model = models[model_type]
+    ids, mask = left_padded_prompts()
+    expected = hf_generate(model, ids, mask, new=24)
+    host = decoding_host(model)
+    assert isinstance(host, HFCacheHost)
+    prompts, lengths = prepare_prompts(ids, mask, host.vocab_size, torch.device("cpu"))
+    reference = torch.zeros(ids.shape[0], prompts.shape[1] + 24 + 8, dtype=torch.long)
+    for row, (length, new) in enumerate(zip(lengths.tolist(), expected)):
+        reference[row, : length + len(new)] = torch.tensor(prompts[row, :length].tolist() + new)
+    out = decode(host, OracleDrafter(reference, VOCAB), prompts, lengths, GenerationConfig(max_new_tokens=24))
+    assert our_tokens(out) == expected
+    assert out.stats.tau > 1.5  # drafts were accepted, in different amounts per row
+    assert len([n for n in out.stats.accepted_length_histogram if n]) > 2
+
+
+def test_cache_is_cropped_to_the_accepted_tokens_at_batch_1(models):
+    model = models["llama"]
+    host = decoding_host(model)
+    state = host.allocate(1, 32)
+    host.forward(torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(5).view(1, 5), state)
+    host.rollback(state, torch.tensor([3]))
+    assert state.cache.get_seq_length() == 3 and state.valid.shape == (1, 3)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def test_model_without_the_accessors_names_its_class():
+    class NotACausalLM(nn.Module):
+        pass
+
+    with pytest.raises(TypeError, match="NotACausalLM cannot host MTP heads"):
+        HFCausalLM(trunk=NotACausalLM())
+
+
+def test_cache_that_cannot_roll_back_names_the_model_class():
+    torch.manual_seed(0)
+    model = HFCausalLM("mistral", dict(CONFIGS["llama"], sliding_window=8), mtp=MTPConfig(depth=2))
+    model.configure_model()
+    with pytest.raises(TypeError, match="MistralForCausalLM uses a KV cache that lightning-mtp cannot roll back"):
+        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4)
+
+
+def test_trunk_arguments_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="must be a local directory"):
+        HFCausalLM(pretrained=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="needs model_type"):
+        HFCausalLM(config={"hidden_size": 32})
+
+
+# ----------------------------------------------------------------------------------------------- retrofit
+def _fit(model: HFCausalLM, tmp_path: Path, steps: int = 2) -> L.Trainer:
+    data = torch.utils.data.DataLoader(torch.randint(4, VOCAB, (8, 16)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_retrofit_trains_only_the_heads_and_saves_a_heads_only_checkpoint(tmp_path):
+    trained = hf_model("llama", depth=2).trunk
+    trained.save_pretrained(tmp_path / "pretrained")
+    torch.manual_seed(1)
+    model = HFCausalLM(pretrained=str(tmp_path / "pretrained"), freeze_trunk=True, mtp=MTPConfig(depth=2),
+                       learning_rate=1e-2, warmup_steps=0)
+    assert model.mtp_config.detach_trunk
+    model.configure_model()
+    trunk_before = {k: v.clone() for k, v in model.trunk.state_dict().items()}
+    heads_before = {k: v.clone() for k, v in model.mtp_state_dict().items()}
+    trainer = _fit(model, tmp_path)
+    assert not model.trunk.training  # frozen trunk stays in eval mode during fit
+    assert all(torch.equal(v, model.trunk.state_dict()[k]) for k, v in trunk_before.items())
+    assert any(not torch.equal(v, model.mtp_state_dict()[k]) for k, v in heads_before.items())
+
+    # Lightning checkpoint: MTP weights and metadata only; loads back onto the from_pretrained trunk.
+    ckpt = tmp_path / "heads.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["state_dict"] and not any(k.startswith("trunk.") for k in saved["state_dict"])
+    assert saved["mtp"]["depth"] == 2 and saved["mtp_heads_only"]
+    restored = HFCausalLM.load_from_checkpoint(ckpt, weights_only=True)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[key], value)
+
+    # The explicit heads file, loaded through the mtp_heads argument.
+    heads = tmp_path / "heads.pt"
+    model.save_mtp_heads(str(heads))
+    assert not any(k.startswith("trunk.") for k in torch.load(heads, weights_only=True)["state_dict"])
+    again = HFCausalLM(pretrained=str(tmp_path / "pretrained"), mtp=MTPConfig(depth=2), mtp_heads=str(heads))
+    again.configure_model()
+    for key, value in model.mtp_state_dict().items():
+        torch.testing.assert_close(again.mtp_state_dict()[key], value)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    assert torch.equal(again.generate(ids, 10).new_tokens, model.generate(ids, 10).new_tokens)
+
+
+def test_full_checkpoint_round_trip_rebuilds_the_trunk_from_its_config(tmp_path):
+    model = hf_model("gpt2", depth=2)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "full.ckpt")
+    restored = HFCausalLM.load_from_checkpoint(tmp_path / "full.ckpt", weights_only=True)
+    assert type(restored.trunk) is type(model.trunk)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[key], value)
+
+
+def test_heads_for_another_trunk_are_refused(tmp_path):
+    heads = tmp_path / "heads.pt"
+    hf_model("llama", depth=2).save_mtp_heads(str(heads))
+    other = hf_model("gpt2", depth=2)
+    other.trunk.resize_token_embeddings(VOCAB + 8)
+    with pytest.raises(ValueError, match="holds MTP heads for a LlamaForCausalLM"):
+        other.load_mtp_heads(str(heads))
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def test_cli_fits_with_the_hf_llama_config(tmp_path):
+    from lightning_mtp.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 40)
+    config = Path(__file__).resolve().parents[1] / "configs" / "hf_llama.yaml"
+    tiny = {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    overrides = [arg for key, value in tiny.items() for arg in (f"--model.init_args.config.{key}", str(value))]
+    main(["fit", "--config", str(config), "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+          "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+          "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
+          "--trainer.val_check_interval", "2", "--trainer.default_root_dir", str(tmp_path), *overrides,
+          "--data.init_args.tokenizer", "byte", "--data.init_args.corpus", str(corpus),
+          "--data.init_args.seq_len", "16", "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.3",
+          "--data.init_args.cache_dir", str(tmp_path / "cache")])
