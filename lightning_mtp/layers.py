@@ -185,10 +185,8 @@ class Block(nn.Module):
                 part = checkpoint(self._attention_group, x, cos, sin, group, use_reentrant=False)
                 attention = part if attention is None else attention + part
             x = x + attention
-            return x + torch.cat(
-                [checkpoint(self._mlp_sublayer, part, use_reentrant=False) for part in x.chunk(recompute_chunks, dim=1)],
-                dim=1,
-            )  # the MLP is position-wise, so token chunks are exact
+            parts = x.chunk(recompute_chunks, dim=1)  # the MLP is position-wise, so token chunks are exact
+            return x + torch.cat([checkpoint(self._mlp_sublayer, part, use_reentrant=False) for part in parts], dim=1)
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -49,8 +49,8 @@ from lightning_mtp.config import MTPConfig
 from lightning_mtp.heads import build_mtp_modules
 from lightning_mtp.layers import RotaryTable, mlp_hidden_size
 from lightning_mtp.loss import (
-    DepthLossPart,
     DepthLosses,
+    DepthLossPart,
     DepthLossSpec,
     combine_parts,
     depth_targets,
@@ -214,7 +214,9 @@ class MTPMixin:
         """
         return self._run_depths(hidden, input_ids, labels, with_loss=False)[0]
 
-    def _score(self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None) -> MTPLossOutput:
+    def _score(
+        self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None
+    ) -> MTPLossOutput:
         """Score the main head (if given) and every active depth jointly: one cross-entropy call per head."""
         hidden = ([fwd.main_hidden] if main is not None else []) + list(fwd.depth_hidden)
         if not (self._mtp_loss_terms and torch.is_grad_enabled()):
@@ -275,7 +277,9 @@ class MTPMixin:
         per_depth = losses.per_depth[int(main is not None):]
         depth_losses = torch.zeros(cfg.depth, device=per_depth.device)
         depth_losses[: per_depth.shape[0]] = per_depth
-        mtp_weighted = sum((p.weight * per_depth[i] for i, p in enumerate(parts)), torch.zeros((), device=per_depth.device))
+        mtp_weighted = per_depth.new_zeros(())
+        for i, part in enumerate(parts):
+            mtp_weighted = mtp_weighted + part.weight * per_depth[i]
         total = losses.loss
         extra = {}
         if torch.is_grad_enabled():
@@ -344,7 +348,7 @@ class MTPMixin:
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict:
-        """Generate for a batch of prompts; returns tokens, texts and decoding stats (see ``decoding.predict_batch``)."""
+        """Generate for a batch of prompts; returns tokens, texts and decoding stats (``decoding.predict_batch``)."""
         from lightning_mtp.decoding import predict_batch
 
         return predict_batch(self, batch, **getattr(self, "mtp_generate_kwargs", {}))
@@ -416,7 +420,7 @@ class MTPMixin:
 
 
 def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:
-    """Token ids and labels from a tensor (B, T) or a dict with ``input_ids`` and optional ``labels``/``attention_mask``."""
+    """Token ids and labels from a (B, T) tensor, or a dict with ``input_ids`` and optional ``labels``/mask."""
     if isinstance(batch, Tensor):
         return batch, None
     if isinstance(batch, (list, tuple)):

@@ -84,8 +84,7 @@ def test_depth_without_valid_target_gives_zero_not_nan(make_tiny_model):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_attention_mask_masks_padding(make_tiny_model):
-    model = make_tiny_model(depth=2)
+def test_attention_mask_masks_padding():
     input_ids = torch.randint(0, 61, (2, 10))
     mask = torch.ones_like(input_ids)
     mask[1, 7:] = 0

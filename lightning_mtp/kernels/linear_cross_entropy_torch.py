@@ -61,7 +61,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = hidden if overwrite_hidden else torch.empty_like(hidden)
         else:
             grad_hidden = None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
             h = hidden[start:end]  # (c, H)
@@ -131,7 +131,7 @@ class _RecomputingLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, row_weights = ctx.saved_tensors
         needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
         scale = row_weights * grad_loss
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
@@ -176,7 +176,9 @@ def linear_cross_entropy_torch(
             its rows are overwritten by their gradients to save one (N, H) buffer.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])

@@ -61,10 +61,13 @@ class ModelConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} (--model.model.{name}) must be a positive integer, got {value!r}")
         if self.dim % self.n_heads:
-            raise ValueError(f"ModelConfig.dim={self.dim} (--model.model.dim) must be divisible by n_heads={self.n_heads}")
+            raise ValueError(
+                f"ModelConfig.dim={self.dim} (--model.model.dim) must be divisible by n_heads={self.n_heads}"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ValueError(
-                f"ModelConfig.n_kv_heads={self.n_kv_heads} (--model.model.n_kv_heads) must divide n_heads={self.n_heads}"
+                f"ModelConfig.n_kv_heads={self.n_kv_heads} (--model.model.n_kv_heads) must divide "
+                f"n_heads={self.n_heads}"
             )
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head size dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")

@@ -19,7 +19,8 @@ from lightning_mtp.models import CausalLM, ModelConfig
 def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
-    data = TextDataModule(tokenizer="byte", seq_len=24, batch_size=4, max_bytes=200_000, cache_dir=str(out_dir / "cache"))
+    data = TextDataModule(tokenizer="byte", seq_len=24, batch_size=4, max_bytes=200_000,
+                          cache_dir=str(out_dir / "cache"))
     model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=2, n_heads=4, max_seq_len=32),
                      MTPConfig(depth=2, architecture="cascaded"), warmup_steps=0)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, limit_val_batches=2,
