@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 CHECKPOINT_KEY = "mtp"
 FORMAT_VERSION = 1
-MTP_PREFIXES = ("mtp_modules.", "mtp_output_heads.")
+MTP_PREFIXES = ("mtp_modules.", "mtp_output_heads.", "mtp_embedding.")
 
 
 @dataclass

@@ -59,8 +59,9 @@ class MTPConfig:
     """Recompute the MTP modules' activations in backward (activation checkpointing), in the spirit of Meta's
     sequential head backward: D extra depths then keep only their inputs alive."""
 
-    loss_chunk_size: int = 4096
-    """Rows of [tokens × vocab] logits materialised at once by the chunked cross-entropy."""
+    loss_chunk_size: Optional[int] = None
+    """Rows of [tokens × vocab] logits materialised at once by the chunked cross-entropy. ``None`` picks it so that
+    one chunk of logits is about as large as the hidden states (Liger-Kernel's rule)."""
 
     num_heads: Optional[int] = None
     """Attention heads of each MTP block (default: the host's)."""
@@ -87,7 +88,7 @@ class MTPConfig:
                 raise _fail("depth_weights", f"needs one weight per depth ({self.depth}), got {self.depth_weights!r}")
             if any(not w >= 0 for w in self.depth_weights):
                 raise _fail("depth_weights", f"must all be >= 0, got {self.depth_weights!r}")
-        if self.loss_chunk_size < 1:
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise _fail("loss_chunk_size", f"must be >= 1, got {self.loss_chunk_size!r}")
         if self.num_heads is not None and self.num_heads < 1:
             raise _fail("num_heads", f"must be >= 1, got {self.num_heads!r}")

@@ -166,16 +166,26 @@ class MTPMixin:
             self.mtp_output_heads = nn.ModuleList(
                 nn.Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
             )
+        embed = self.mtp_token_embedding()
+        if not cfg.share_embedding and cfg.architecture == "cascaded":
+            # The cascaded modules' own embedding, starting from the trunk's values (when they are readable).
+            self.mtp_embedding = nn.Embedding(embed.num_embeddings, embed.embedding_dim)
+            if not hasattr(embed.weight, "ds_id"):
+                with torch.no_grad():
+                    self.mtp_embedding.weight.copy_(embed.weight)
         self.mtp_rope = RotaryTable(spec["max_positions"], spec["dim"] // spec["n_heads"])
         self.mtp_metrics = MTPMetrics(cfg.depth, self.mtp_vocab_size(), cfg.ignore_index)
-        embed = self.mtp_token_embedding()
         device = embed.weight.device if embed.weight.device.type != "meta" else None
         if device is not None:
-            self.mtp_modules.to(device)
-            self.mtp_rope.to(device)
-            self.mtp_metrics.to(device)
-            if self.mtp_output_heads is not None:
-                self.mtp_output_heads.to(device)
+            for part in (self.mtp_modules, self.mtp_rope, self.mtp_metrics, self.mtp_output_heads,
+                         getattr(self, "mtp_embedding", None)):
+                if part is not None:
+                    part.to(device)
+
+    def mtp_draft_embedding(self) -> nn.Embedding:
+        """Embedding of the cascaded modules' input tokens: the host's own unless ``share_embedding=False``."""
+        own = getattr(self, "mtp_embedding", None)
+        return own if own is not None else self.mtp_token_embedding()
 
     def register_mtp_loss_term(self, name: str, term: LossTerm) -> None:
         """Add ``term(module, forward) -> scalar`` to the training loss; it is logged as ``train/mtp/<name>``."""
@@ -244,7 +254,7 @@ class MTPMixin:
         embeddings = None
         if cfg.architecture == "cascaded":
             with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_trunk):
-                embeddings = self.mtp_token_embedding()(input_ids)  # (B, T, H)
+                embeddings = self.mtp_draft_embedding()(input_ids)  # (B, T, H)
         cos, sin = self.mtp_rope(T)
         recompute = cfg.recompute and torch.is_grad_enabled()
         scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
@@ -297,7 +307,7 @@ class MTPMixin:
         )
 
     def _mtp_chunk_size(self) -> Optional[int]:
-        return self.mtp_config.loss_chunk_size if self.mtp_config.loss_chunk_size != MTPConfig.loss_chunk_size else None
+        return self.mtp_config.loss_chunk_size
 
     def compute_mtp_loss(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
         """The weighted MTP loss for hosts that keep their own ``training_step``.

@@ -71,6 +71,18 @@ def test_unshared_heads_are_separate_and_trained(make_tiny_model):
     assert model.mtp_output_heads[1].weight.grad.abs().sum() > 0
 
 
+def test_unshared_embedding_is_separate_starts_from_trunk_and_is_trained(make_tiny_model):
+    model = make_tiny_model(depth=2, share_embedding=False)
+    assert model.mtp_draft_embedding() is not model.embed
+    assert torch.equal(model.mtp_draft_embedding().weight, model.embed.weight)
+    input_ids = torch.randint(0, 61, (2, 10))
+    model.compute_mtp_loss(model(input_ids), input_ids).loss.backward()
+    assert model.mtp_embedding.weight.grad.abs().sum() > 0
+    out = model.generate(input_ids[:1, :4], 6)  # drafting reads the same embedding as training
+    plain = model.generate(input_ids[:1, :4], 6, speculative=False)
+    assert torch.equal(out.sequences, plain.sequences)
+
+
 def test_configure_model_is_idempotent(make_tiny_model):
     model = make_tiny_model(depth=2)
     modules = model.mtp_modules

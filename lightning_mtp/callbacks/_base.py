@@ -67,7 +67,7 @@ def chunk_rows(pl_module: MTPMixin, num_rows: int, override: Optional[int] = Non
     from lightning_mtp.kernels.linear_cross_entropy_torch import default_chunk_size
 
     configured = pl_module.mtp_config.loss_chunk_size
-    if configured != type(pl_module.mtp_config).loss_chunk_size:
+    if configured is not None:
         return configured
     return default_chunk_size(num_rows, pl_module.mtp_token_embedding().embedding_dim, pl_module.mtp_vocab_size())
 

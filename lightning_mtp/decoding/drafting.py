@@ -102,7 +102,7 @@ class MTPDrafter:
         self.modules = module._require_modules()
         self.cascaded = module.mtp_config.architecture == "cascaded"
         self.max_drafts = len(self.modules)
-        self.embed = module.mtp_token_embedding() if self.cascaded else None
+        self.embed = module.mtp_draft_embedding() if self.cascaded else None
 
     def allocate(self, batch_size: int, max_len: int) -> MTPDraftState:
         weight = self.module.mtp_output_head().weight
