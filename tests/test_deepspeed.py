@@ -26,7 +26,7 @@ ROOT = SCRIPT.parents[1]
 RUN_TIMEOUT_S = 240
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
 def zero_run(request, tmp_path_factory):
     """One fit (2 steps) + save + resume (2 more) + predict run of a ZeRO stage; returns (stage, output dir)."""
     stage = request.param
