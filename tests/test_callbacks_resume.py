@@ -118,7 +118,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, trainer_kwa
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resumable_loader_continues_the_interrupted_pass(num_workers):
-    from lightning_mtp.data.datamodule import EpochShuffleSampler, ResumableDataLoader
+    from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader
 
     def loader():
         data = torch.arange(20)

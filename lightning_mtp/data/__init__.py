@@ -16,22 +16,19 @@ from lightning_mtp.data.corpus import (
     split_files,
     stdlib_root,
 )
-from lightning_mtp.data.datamodule import (
-    PromptCollator,
-    PromptDataset,
-    TextDataModule,
-    TokenWindowDataset,
-    read_prompts_file,
-    tokenize_documents,
-)
+from lightning_mtp.data.datamodule import TextDataModule, tokenize_documents
+from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
+from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
 from lightning_mtp.data.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "EpochShuffleSampler",
     "FileSpan",
     "PromptCollator",
     "PromptDataset",
+    "ResumableDataLoader",
     "TextDataModule",
     "TokenWindowDataset",
     "Tokenizer",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.corpus import (
     FileSpan,
@@ -42,6 +41,8 @@ from lightning_mtp.data.corpus import (
     find_corpus_files,
     plan_splits,
 )
+from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
+from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
 from lightning_mtp.data.tokenizers import (
     TOKENIZER_KINDS,
     BPETokenizer,
@@ -97,188 +98,6 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-class TokenWindowDataset(Dataset):
-    """Non-overlapping windows of ``seq_len`` ids over a 1-D id array; a trailing partial window is dropped.
-
-    Example::
-
-        >>> ds = TokenWindowDataset(np.arange(10, dtype=np.uint16), seq_len=4)
-        >>> len(ds), ds[1]["input_ids"].tolist()
-        (2, [4, 5, 6, 7])
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return len(self.tokens) // self.seq_len
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"window {index} out of range for {len(self)} windows")
-        index %= len(self)
-        window = self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
-        return {"input_ids": torch.from_numpy(np.asarray(window, dtype=np.int64))}  # [seq_len]
-
-
-class EpochShuffleSampler(Sampler[int]):
-    """A seeded permutation per pass (``numpy`` seed sequence ``[seed, epoch]``), optionally starting part-way.
-
-    ``ResumableDataLoader`` sets ``epoch`` and ``start`` before each pass, so a resumed pass skips the windows already
-    trained on without reading them.
-
-    Example::
-
-        >>> sampler = EpochShuffleSampler(6, seed=0)
-        >>> full = list(sampler)
-        >>> sampler.start = 4
-        >>> list(sampler) == full[4:] and sorted(full) == list(range(6))
-        True
-    """
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        self.num_samples, self.seed = num_samples, seed
-        self.epoch = 0
-        self.start = 0  # samples of this pass to skip
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __iter__(self):
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
-        return iter(order[self.start :].tolist())
-
-
-class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` that can resume a pass part-way: ``state_dict()`` holds the pass (epoch) and the batches
-    already yielded in it.
-
-    Lightning saves the ``state_dict`` of stateful training loaders in the checkpoint and, on resume, calls
-    ``load_state_dict`` before iterating: the resumed pass then yields exactly the batches the interrupted run had not
-    reached. With an :class:`EpochShuffleSampler` the skipped windows are never read; with any other sampler (e.g. the
-    one DDP injects) they are read and dropped. A pass that is left unfinished (``limit_train_batches``) counts as done
-    when the next one starts, except across a resume from a checkpoint saved right at that point.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._epoch = 0  # the pass being (or about to be) iterated
-        self._yielded = 0  # batches of that pass handed out so far
-        self._resuming = False
-
-    def __iter__(self):
-        # A generator: the state is read when the first batch is requested, so a load_state_dict after iter() (as
-        # Lightning may call them) still applies.
-        if self._resuming:
-            self._resuming = False
-            if self._yielded >= len(self):
-                self._epoch, self._yielded = self._epoch + 1, 0
-        elif self._yielded:  # the previous pass was left unfinished
-            self._epoch, self._yielded = self._epoch + 1, 0
-        skip = self._yielded
-        if isinstance(self.sampler, EpochShuffleSampler):
-            self.sampler.epoch, self.sampler.start = self._epoch, skip * self.batch_size
-            batches = super().__iter__()
-        else:
-            batches = super().__iter__()
-            for _ in range(skip):
-                next(batches, None)
-        for batch in batches:
-            self._yielded += 1
-            yield batch
-        self._epoch, self._yielded = self._epoch + 1, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batches_yielded": self._yielded}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._epoch = int(state_dict.get("epoch", 0))
-        self._yielded = int(state_dict.get("batches_yielded", 0))
-        self._resuming = True
-
-
-class PromptDataset(Dataset):
-    """Tokenized prompts for ``predict``: items ``{"input_ids": LongTensor[L_i], "prompt_text": str}``."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]], texts: Sequence[str]) -> None:
-        if len(prompts) != len(texts):
-            raise ValueError(f"PromptDataset: {len(prompts)} prompts but {len(texts)} texts")
-        self.prompts = [list(p) for p in prompts]
-        self.texts = list(texts)
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": torch.tensor(self.prompts[index], dtype=torch.long), "prompt_text": self.texts[index]}
-
-
-class PromptCollator:
-    """Right-pads prompts of different lengths with ``pad_id``.
-
-    Batch: ``{"input_ids": LongTensor[B, L_max], "lengths": LongTensor[B], "prompt_text": list[str]}``.
-
-    Example::
-
-        >>> batch = PromptCollator(pad_id=0)([{"input_ids": torch.tensor([5, 6, 7]), "prompt_text": "a"},
-        ...                                   {"input_ids": torch.tensor([8]), "prompt_text": "b"}])
-        >>> batch["input_ids"].tolist(), batch["lengths"].tolist()
-        ([[5, 6, 7], [8, 0, 0]], [3, 1])
-    """
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        lengths = torch.tensor([len(item["input_ids"]) for item in items], dtype=torch.long)  # [B]
-        input_ids = torch.full((len(items), int(lengths.max())), self.pad_id, dtype=torch.long)  # [B, L_max]
-        for row, item in enumerate(items):
-            input_ids[row, : len(item["input_ids"])] = item["input_ids"]
-        return {"input_ids": input_ids, "lengths": lengths, "prompt_text": [item["prompt_text"] for item in items]}
-
-
-_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
-
-
-def _unescape(line: str) -> str:
-    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], line)
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """Prompts from a ``.txt`` file (one per line; ``\\n``, ``\\t`` and ``\\\\`` escapes decoded) or a ``.jsonl``
-    file (one ``{"prompt": "..."}`` per line). Blank lines are skipped.
-
-    Raises:
-        ValueError: naming ``--data.predict_prompts`` when the file is missing, malformed or has no prompts.
-    """
-    flag = "--data.predict_prompts"
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{flag}: prompts file {path!r} does not exist")
-    suffix = file.suffix.lower()
-    if suffix not in (".txt", ".jsonl"):
-        raise ValueError(f"{flag}: prompts file {path!r} must end in .txt or .jsonl")
-    prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        if suffix == ".txt":
-            prompts.append(_unescape(line))
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{flag}: {path}:{number} is not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f'{flag}: {path}:{number} must be an object with a string "prompt", got {line[:80]!r}')
-        if record["prompt"].strip():
-            prompts.append(record["prompt"])
-    if not prompts:
-        raise ValueError(f"{flag}: prompts file {path!r} has no (non-blank) prompts")
-    return prompts
 
 
 class TextDataModule(L.LightningDataModule):
