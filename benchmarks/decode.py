@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_mtp.decoding import GenerationConfig, MTPDrafter, generate  # noqa: E402
 from lightning_mtp.decoding.host import decoding_host  # noqa: E402
 from lightning_mtp.decoding.sampling import SamplingParams  # noqa: E402
-from lightning_mtp.decoding.speculative import DecodeStats  # noqa: E402
+from lightning_mtp.decoding.stats import DecodeStats  # noqa: E402
 
 TARGETS = {
     "batch 1 greedy speedup at D=3": 2.0,

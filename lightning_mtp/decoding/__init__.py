@@ -17,7 +17,8 @@ from lightning_mtp.decoding.drafting import Drafter, Drafts, MTPDrafter
 from lightning_mtp.decoding.host import CausalLMHost, DecodingHost, decoding_host
 from lightning_mtp.decoding.predict import PredictionWriter, predict_batch
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
-from lightning_mtp.decoding.speculative import DecodeStats, GenerateOutput, accept_typical, decode, generate
+from lightning_mtp.decoding.speculative import accept_typical, decode, generate
+from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 
 __all__ = [
     "CausalLMHost",

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor, nn
 
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.decoding.speculative import DecodeStats, generate
+from lightning_mtp.decoding.speculative import generate
+from lightning_mtp.decoding.stats import DecodeStats
 
 
 def _datamodule(module: nn.Module) -> Any:

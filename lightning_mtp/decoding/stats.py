@@ -1,0 +1,108 @@
+"""What decoding returns: the sequences and the statistics (forwards, per-depth acceptance, tau, tokens/s)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class DecodeStats:
+    """What one :func:`generate` call did.
+
+    ``tau`` is the mean number of tokens emitted per main-model forward pass, *counting the bonus/correction token*
+    that every verify forward adds (and the first token, which the prefill forward emits), per row: plain decoding
+    has ``tau == 1`` exactly; speculative decoding with k drafts has ``1 <= tau <= k + 1``.
+    """
+
+    batch_size: int
+    max_drafts: int
+    """Drafts per step asked for (0 for plain decoding)."""
+    main_forwards: int
+    """Main-model (trunk) forward passes of the batch, prefill included."""
+    row_forwards: list[int]
+    """Forward passes while each row was still decoding."""
+    new_tokens: list[int]
+    """Tokens emitted by each row (EOS included)."""
+    drafted_per_depth: list[int]
+    """Drafts proposed at depth k (index k-1), summed over rows and steps."""
+    accepted_per_depth: list[int]
+    """Drafts accepted at depth k (index k-1), summed over rows and steps."""
+    accepted_length_histogram: list[int]
+    """How many row-steps accepted 0, 1, ..., max_drafts drafts."""
+    elapsed_s: float
+    """Wall time of the call (device synchronised)."""
+
+    @property
+    def total_new_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per main-model forward, bonus token counted (see the class docstring)."""
+        return self.total_new_tokens / max(1, sum(self.row_forwards))
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        """Share of drafts accepted at each depth."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(total_new_tokens=self.total_new_tokens, tau=self.tau, acceptance_per_depth=self.acceptance_per_depth,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+    @staticmethod
+    def combine(stats: list[DecodeStats]) -> dict:
+        """Totals over several calls (e.g. the batches of ``predict``) as a plain dict."""
+        if not stats:
+            return {}
+        width = max(len(s.drafted_per_depth) for s in stats)
+        hist_width = max(len(s.accepted_length_histogram) for s in stats)
+
+        def total(name: str, size: int) -> list[int]:
+            sums = [0] * size
+            for s in stats:
+                for i, v in enumerate(getattr(s, name)):
+                    sums[i] += v
+            return sums
+
+        new_tokens = sum(s.total_new_tokens for s in stats)
+        row_forwards = sum(sum(s.row_forwards) for s in stats)
+        elapsed = sum(s.elapsed_s for s in stats)
+        drafted, accepted = total("drafted_per_depth", width), total("accepted_per_depth", width)
+        return {
+            "calls": len(stats),
+            "rows": sum(s.batch_size for s in stats),
+            "main_forwards": sum(s.main_forwards for s in stats),
+            "row_forwards": row_forwards,
+            "total_new_tokens": new_tokens,
+            "tau": new_tokens / max(1, row_forwards),
+            "drafted_per_depth": drafted,
+            "accepted_per_depth": accepted,
+            "acceptance_per_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "accepted_length_histogram": total("accepted_length_histogram", hist_width),
+            "elapsed_s": elapsed,
+            "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+        }
+
+
+@dataclass
+class GenerateOutput:
+    """Result of :func:`generate`. Padding is ``-1`` (never a token id)."""
+
+    sequences: Tensor
+    """(B, S) each row's prompt followed by its new tokens, right-padded."""
+    new_tokens: Tensor
+    """(B, N) each row's generated tokens (EOS included), right-padded; N = the longest row's count."""
+    num_new_tokens: Tensor
+    """(B,) generated tokens per row."""
+    prompt_lengths: Tensor
+    """(B,) prompt tokens per row."""
+    stats: DecodeStats
