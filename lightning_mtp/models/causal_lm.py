@@ -28,6 +28,7 @@ from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.layers import Block, KVCache, RMSNorm, RotaryTable, mlp_hidden_size
 from lightning_mtp.mixin import MTPMixin
+from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 
 @dataclass
@@ -99,12 +100,7 @@ class CausalLM(MTPMixin, L.LightningModule):
     ) -> None:
         model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
         super().__init__(mtp=mtp)
-        if not learning_rate > 0:
-            raise ValueError(f"--model.learning_rate must be > 0, got {learning_rate!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"--model.weight_decay must be >= 0, got {weight_decay!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"--model.warmup_steps must be >= 0, got {warmup_steps!r}")
+        check_optimizer_args(learning_rate, weight_decay, warmup_steps)
         self.model_config = model
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
         self.init_from = init_from
@@ -225,27 +221,8 @@ class CausalLM(MTPMixin, L.LightningModule):
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue
-            ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions are flat: use the real shape
-            (decay if ndim >= 2 and "embed" not in name else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.learning_rate, betas=(0.9, 0.95),
-        )
-        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
-        warmup = self.warmup_steps
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.learning_rate, self.weight_decay, self.warmup_steps,
+                                   estimated_total_steps(self))
 
 
 def gathered_for_init(weight: Tensor):

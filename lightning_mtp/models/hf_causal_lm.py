@@ -31,7 +31,6 @@ MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` r
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import asdict
 from typing import Any, Optional, Union
@@ -46,6 +45,7 @@ from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.layers import mlp_hidden_size
 from lightning_mtp.mixin import MTPMixin
+from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 TRUNK_PREFIX = "trunk."
 HEADS_ONLY_KEY = "mtp_heads_only"
@@ -136,12 +136,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         if freeze_trunk and not mtp.detach_trunk:
             mtp = dataclasses.replace(mtp, detach_trunk=True)  # a frozen trunk must not receive the MTP gradient
         super().__init__(mtp=mtp)
-        if not learning_rate > 0:
-            raise ValueError(f"--model.init_args.learning_rate must be > 0, got {learning_rate!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"--model.init_args.weight_decay must be >= 0, got {weight_decay!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"--model.init_args.warmup_steps must be >= 0, got {warmup_steps!r}")
+        check_optimizer_args(learning_rate, weight_decay, warmup_steps)
         if trunk is None:
             trunk = build_trunk(model_type, config, pretrained, attn_implementation)
         check_trunk(trunk)
@@ -293,32 +288,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue
-            embedding = "embed" in name or ".wte." in name or ".wpe." in name
-            (decay if param.dim() >= 2 and not embedding else no_decay).append(param)
-        if not decay and not no_decay:
-            raise ValueError(f"{type(self).__name__} has no trainable parameter (frozen trunk and no MTP modules?)")
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.learning_rate, betas=(0.9, 0.95),
-        )
-        estimate = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1.0
-        total = max(1, int(estimate)) if math.isfinite(estimate) else None  # None: a time budget, no known end
-        warmup = self.warmup_steps
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            if total is None:
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.learning_rate, self.weight_decay, self.warmup_steps,
+                                   estimated_total_steps(self))
 
 
 def _scalar(value: Any) -> Any:
