@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 
 from lightning_mtp.callbacks import (
@@ -17,37 +16,43 @@ from lightning_mtp.callbacks import (
 )
 from lightning_mtp.cli import MTPLightningCLI, main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.yaml"
 MTP_CALLBACKS = (MTPDepthWarmup, MTPWeightSchedule, MTPDiversityRegularizer, MTPCouplingMonitor, MTPDraftCalibration)
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
     return [
-        "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--trainer.log_every_n_steps=1",
         "--trainer.limit_val_batches=1",
-        "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
-        "--model.init_args.model.vocab_size=258", "--model.init_args.model.dim=32",
+        "--model.init_args.model.vocab_size=258",
+        "--model.init_args.model.dim=32",
         "--model.init_args.model.n_layers=1",
         "--model.init_args.model.max_seq_len=32",
-        "--data.init_args.tokenizer=byte", "--data.init_args.seq_len=32", "--data.init_args.batch_size=4",
-        "--data.init_args.max_bytes=8000", "--data.init_args.val_fraction=0.2",
+        "--data.init_args.tokenizer=byte",
+        "--data.init_args.seq_len=32",
+        "--data.init_args.batch_size=4",
+        "--data.init_args.max_bytes=8000",
+        "--data.init_args.val_fraction=0.2",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}",
     ]
 
 
 def test_config_builds_every_mtp_callback_with_typed_schedules():
-    cli = MTPLightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                          args=["--config", str(CONFIG)], run=False, auto_configure_optimizers=False)
+    cli = MTPLightningCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=["--config", str(CONFIG)],
+        run=False,
+        auto_configure_optimizers=False,
+    )
     found = {type(c): c for c in cli.trainer.callbacks if isinstance(c, MTP_CALLBACKS)}
     assert set(found) == set(MTP_CALLBACKS)
     assert found[MTPDepthWarmup].schedule == {0: 1, 500: 2, 1500: 3}
@@ -68,8 +73,19 @@ def test_fit_from_the_config(tmp_path):
 
     (events,) = {p.parent for p in (tmp_path / "logs").rglob("events.out.tfevents.*")}
     tags = set(EventAccumulator(str(events)).Reload().Tags()["scalars"])
-    expected = {"train/mtp/active_depth", "train/mtp/lambda", "train/mtp/weight_depth3", "train/mtp/diversity_weight",
-                "train/mtp/distill", "val/mtp/coupling_depth1", "val/mtp/js_depth2", "val/mtp/accept_depth2",
-                "val/mtp/accept_chained_depth3", "val/mtp/tau_draft3", "val/mtp/ece_depth1",
-                "val/mtp/temperature_depth3", "val/mtp/draft_kl_depth1"}
+    expected = {
+        "train/mtp/active_depth",
+        "train/mtp/lambda",
+        "train/mtp/weight_depth3",
+        "train/mtp/diversity_weight",
+        "train/mtp/distill",
+        "val/mtp/coupling_depth1",
+        "val/mtp/js_depth2",
+        "val/mtp/accept_depth2",
+        "val/mtp/accept_chained_depth3",
+        "val/mtp/tau_draft3",
+        "val/mtp/ece_depth1",
+        "val/mtp/temperature_depth3",
+        "val/mtp/draft_kl_depth1",
+    }
     assert expected <= tags, sorted(expected - tags)

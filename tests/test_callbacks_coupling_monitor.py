@@ -23,15 +23,6 @@ except ImportError:  # pragma: no cover - only while speculative decoding is bei
     generate = None
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def all_logits(model, ids):
     """[main (B, T-1, V), depth k (B, T-k-1, V)...] with every logit materialised."""
     with torch.no_grad():

@@ -12,15 +12,6 @@ from torch.utils.data import DataLoader
 from lightning_mtp.callbacks import MTPDepthWarmup
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Probe(Callback):
     """Per micro-batch: (global step, active depth, forward calls of each MTP module during the step)."""
 

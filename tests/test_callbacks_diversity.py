@@ -11,15 +11,6 @@ from torch.utils.data import DataLoader
 from lightning_mtp.callbacks import MTPDiversityRegularizer, collision_sum, teacher_forced_acceptance
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference_collision(model, fwd, depth, only_differing):
     """Σ_i Σ_v p_k p_k+1 over the masked positions, with every logit materialised."""
     near = torch.softmax(model.lm_head(fwd.depth_hidden[depth - 1]), -1)  # (B, T-k-1, V)

@@ -12,15 +12,6 @@ from lightning_mtp.callbacks import MTPDraftCalibration
 from lightning_mtp.callbacks._teacher_forcing import teacher_forced_forward
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def direct_fit(draft_logits, main_logits):
     """argmin_T mean CE(softmax(main), softmax(z / T)) on a fine log grid, and the KL there."""
     p = torch.softmax(main_logits.double(), -1)

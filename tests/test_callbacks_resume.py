@@ -23,15 +23,6 @@ from lightning_mtp.callbacks import (
 from lightning_mtp.data import TextDataModule
 from lightning_mtp.models import CausalLM, ModelConfig
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 SAVE_AT = 6  # optimizer steps before the interruption: mid epoch 2 of 4-batch epochs, depth 2 of the 1 → 2 → 3 warmup
 STEPS = 8
 
@@ -59,26 +50,42 @@ class Recorder(Callback):
 
 def fit(tmp_path: Path, cache: Path, *, ckpt_path=None, **trainer_kwargs):
     torch.manual_seed(0)
-    datamodule = TextDataModule(tokenizer="byte", seq_len=64, batch_size=8, max_bytes=3_000, val_fraction=0.2,
-                                cache_dir=str(cache))
-    model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64),
-                     MTPConfig(depth=3, distill_weight=0.2), learning_rate=3e-3, warmup_steps=3)
+    datamodule = TextDataModule(
+        tokenizer="byte", seq_len=64, batch_size=8, max_bytes=3_000, val_fraction=0.2, cache_dir=str(cache)
+    )
+    model = CausalLM(
+        ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64),
+        MTPConfig(depth=3, distill_weight=0.2),
+        learning_rate=3e-3,
+        warmup_steps=3,
+    )
     recorder = Recorder()
     callbacks = [
         MTPDepthWarmup(schedule={0: 1, 4: 2, 7: 3}),
         # λ follows the tokens seen (8 windows of 64 tokens per step): the token counter must survive the resume
-        MTPWeightSchedule(schedule="linear", unit="tokens", start=0.5, end=0.1, until=STEPS * 512, depth_decay=0.8,
-                          distant_ramp=6),
+        MTPWeightSchedule(
+            schedule="linear", unit="tokens", start=0.5, end=0.1, until=STEPS * 512, depth_decay=0.8, distant_ramp=6
+        ),
         MTPDiversityRegularizer(weight={0: 0.0, 3: 0.2}),
         MTPCouplingMonitor(),
         MTPDraftCalibration(grid_size=7),
         recorder,
         ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVE_AT, save_top_k=-1),
     ]
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
-                        val_check_interval=4, check_val_every_n_epoch=None, callbacks=callbacks,
-                        default_root_dir=tmp_path, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     trainer.fit(model, datamodule, ckpt_path=ckpt_path)
     return trainer, model, recorder
 
@@ -107,8 +114,13 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, trainer_kwa
         assert loss == pytest.approx(full.losses[step], abs=1e-6, rel=0), f"step {step}"
         for name, value in part.logged[step].items():
             assert value == pytest.approx(full.logged[step][name], abs=1e-6, rel=0), f"{name} at step {step}"
-    assert {"train/mtp/active_depth", "train/mtp/lambda", "train/mtp/weight_depth3", "train/mtp/diversity",
-            "train/mtp/distill"} <= set(part.logged[STEPS])
+    assert {
+        "train/mtp/active_depth",
+        "train/mtp/lambda",
+        "train/mtp/weight_depth3",
+        "train/mtp/diversity",
+        "train/mtp/distill",
+    } <= set(part.logged[STEPS])
     # the validation after the resume, the monitor's and the calibration's metrics included
     assert part.val[STEPS] == pytest.approx(full.val[STEPS], abs=1e-6)
     assert resumed.mtp_draft_temperatures == pytest.approx(model.mtp_draft_temperatures, abs=1e-9)
@@ -122,8 +134,9 @@ def test_resumable_loader_continues_the_interrupted_pass(num_workers):
 
     def loader():
         data = torch.arange(20)
-        return ResumableDataLoader(data, batch_size=3, drop_last=True, sampler=EpochShuffleSampler(20, seed=5),
-                                   num_workers=num_workers)
+        return ResumableDataLoader(
+            data, batch_size=3, drop_last=True, sampler=EpochShuffleSampler(20, seed=5), num_workers=num_workers
+        )
 
     reference = loader()
     passes = [[b.tolist() for b in reference] for _ in range(2)]  # 6 batches per pass, a new order each pass

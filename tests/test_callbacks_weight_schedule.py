@@ -14,15 +14,6 @@ from torch.utils.data import DataLoader
 from lightning_mtp.callbacks import MTPWeightSchedule, ScalarSchedule
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on two shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Probe(Callback):
     def __init__(self):
         self.rows = []

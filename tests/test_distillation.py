@@ -9,14 +9,6 @@ import torch
 from lightning_mtp.distillation import depth_kl_sum, self_distillation_term
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference(model, fwd, beta):
     """β · mean_k masked-mean KL(main(i+k).detach() ‖ depth k (i)), every logit materialised."""
     main = torch.log_softmax(model.lm_head(model.norm(fwd.trunk_hidden[:, :-1])).detach(), -1)  # (B, T-1, V)
@@ -44,8 +36,9 @@ def batch(model, seed=0):
 
 @pytest.mark.parametrize("share_output_head", [True, False])
 def test_value_and_gradients_match_the_reference(make_tiny_model, share_output_head):
-    model = make_tiny_model(depth=3, distill_weight=0.7, share_output_head=share_output_head, loss_chunk_size=5,
-                            tie_embeddings=False)
+    model = make_tiny_model(
+        depth=3, distill_weight=0.7, share_output_head=share_output_head, loss_chunk_size=5, tie_embeddings=False
+    )
     ids, labels = batch(model)
     fwd = model.mtp_forward(model(ids), ids, labels)
     rows = []
