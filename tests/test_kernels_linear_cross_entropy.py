@@ -12,43 +12,16 @@ bf16 is checked on GPU only (``gpu`` marker): dlogits are stored in bf16 by the 
 gradients there agree to bf16 precision.
 """
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_harness import INTERPRETED, gpu, needs_cuda, needs_interpreter, run_interpreted_subprocess
 
 import lightning_mtp.kernels as kernels
 from lightning_mtp.kernels import linear_cross_entropy, linear_cross_entropy_torch
-from lightning_mtp.kernels.dispatch import interpreter_enabled, interpreter_ready
 from lightning_mtp.kernels.linear_cross_entropy import linear_cross_entropy_triton
 
-INTERPRETED = interpreter_ready()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="needs TRITON_INTERPRET=1 from process start; run by test_interpreted_suite_in_subprocess"
-)
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available() or interpreter_enabled(), reason="needs a CUDA GPU (and no interpreter)"
-)
 ATOL, RTOL = 1e-5, 5e-4
-
-
-def run_interpreted_subprocess(test_file: str, timeout: float = 300.0) -> None:
-    """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1 set from the start; fail with its output."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("LIGHTNING_MTP_KERNELS", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-m", "not gpu"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"interpreted kernel tests failed (rc={proc.returncode}):\n{output[-6000:]}"
-    skipped = re.search(r"(\d+) skipped", output)
-    assert " passed" in output and (skipped is None or int(skipped.group(1)) <= 1), output[-3000:]  # only this test
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
