@@ -144,6 +144,11 @@ def main() -> None:
             "first_fit_loss": losses_first, "resumed_global_step": resumed_step,
             "world_size": trainer.world_size,
         }))
+    # Tear the process group down before the interpreter exits: left to shutdown, a still-joinable gloo thread was
+    # seen to abort the process ("terminate called without an active exception") after all the work was done.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
