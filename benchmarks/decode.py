@@ -52,9 +52,11 @@ TARGETS = {
 
 
 # ----------------------------------------------------------------------------------------------- model and data
-def train(config: Path, seconds: float, ckpt: Path, extra: list[str]):
+def train(config: Path, seconds: float, ckpt: Path, extra: list[str], resume: Optional[Path] = None):
     """Fit CausalLM on TextDataModule with the project's CLI config for ``seconds`` and save it to ``ckpt``.
 
+    ``resume``: a checkpoint this script saved, to continue exactly where it stopped (optimizer, schedule, data
+    order; ``seconds`` then counts the earlier sittings' time too, as Lightning's ``max_time`` does).
     Returns (model, datamodule, training info)."""
     import lightning as L
 
@@ -68,9 +70,9 @@ def train(config: Path, seconds: float, ckpt: Path, extra: list[str]):
                           subclass_mode_data=True, run=False, args=args, auto_configure_optimizers=False,
                           save_config_kwargs={"overwrite": True})
     start = time.perf_counter()
-    cli.trainer.fit(cli.model, cli.datamodule)
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=None if resume is None else str(resume))
     info = {"train_seconds": time.perf_counter() - start, "train_steps": cli.trainer.global_step,
-            "train_args": extra}
+            "train_args": extra, "resumed_from": None if resume is None else str(resume)}
     print(f"trained for {info['train_seconds']:.0f}s, {info['train_steps']} steps", flush=True)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     cli.trainer.save_checkpoint(ckpt)
@@ -304,6 +306,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--train-seconds", type=float, default=3600.0, help="training budget without --ckpt")
     parser.add_argument("--train-arg", action="append", default=[],
                         help="extra LightningCLI training argument (repeatable): --train-arg=--trainer.max_steps=500")
+    parser.add_argument("--resume", type=Path, help="continue training a checkpoint this script saved (same config)")
+    parser.add_argument("--train-only", action="store_true", help="stop after training and saving the checkpoint")
     parser.add_argument("--save-ckpt", type=Path, default=ROOT / ".cache" / "lightning_mtp" / "benchmarks" /
                         "decode_model.ckpt", help="where the trained checkpoint goes (reuse it with --ckpt)")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (batch 8 uses 8 of them)")
@@ -321,8 +325,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     if args.ckpt is None:
-        model, datamodule, training = train(args.config, args.train_seconds, args.save_ckpt, args.train_arg)
+        model, datamodule, training = train(args.config, args.train_seconds, args.save_ckpt, args.train_arg,
+                                            args.resume)
         ckpt = args.save_ckpt
+        if args.train_only:
+            return []
     else:
         model, datamodule = load(args.ckpt, args.config)
         ckpt, training = args.ckpt, None

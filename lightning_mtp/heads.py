@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mtp.layers import Block, KVCache, RMSNorm
+from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm
 
 
 class CascadedMTPModule(nn.Module):
@@ -36,7 +36,7 @@ class CascadedMTPModule(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(dim, eps)
         self.hnorm = RMSNorm(dim, eps)
-        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.eh_proj = Linear(2 * dim, dim, bias=False)
         self.block = Block(dim, n_heads, n_kv_heads, mlp_hidden, eps)
         self.norm = RMSNorm(dim, eps)
 

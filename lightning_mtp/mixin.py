@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.heads import build_mtp_modules
-from lightning_mtp.layers import RotaryTable, mlp_hidden_size
+from lightning_mtp.layers import Linear, RotaryTable, mlp_hidden_size
 from lightning_mtp.loss import (
     DepthLosses,
     DepthLossPart,
@@ -164,7 +164,7 @@ class MTPMixin:
         )
         if not cfg.share_output_head:
             self.mtp_output_heads = nn.ModuleList(
-                nn.Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
+                Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
             )
         embed = self.mtp_token_embedding()
         if not cfg.share_embedding and cfg.architecture == "cascaded":

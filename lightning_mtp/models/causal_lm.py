@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.layers import Block, KVCache, RMSNorm, RotaryTable, mlp_hidden_size
+from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm, RotaryTable, mlp_hidden_size, visible_slots
 from lightning_mtp.mixin import MTPMixin
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
@@ -125,7 +125,7 @@ class CausalLM(MTPMixin, L.LightningModule):
                 Block(cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden, cfg.norm_eps) for _ in range(cfg.n_layers)
             )
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings:
                 # One weight for input and output embeddings (Press & Wolf 2017, https://arxiv.org/abs/1608.05859).
                 self.lm_head.weight = self.embed.weight
@@ -189,15 +189,20 @@ class CausalLM(MTPMixin, L.LightningModule):
         ``positions`` (B, T) are each row's cache slots for these tokens, and ``caches`` one :class:`KVCache` per layer.
         """
         self._ensure_built()
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model_config.vocab_size):
+        # Cached decoding validates its prompts once (decoding.generate) and feeds back only the model's own tokens,
+        # so the per-step forwards skip this check (two host syncs per forward).
+        if caches is None and input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model_config.vocab_size
+        ):
             raise ValueError(
                 f"token ids must lie in [0, {self.model_config.vocab_size}), got range "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
             )
         cos, sin = self.rope(input_ids.shape[1], positions)
+        mask = None if caches is None else visible_slots(positions, caches[0].max_len)  # (B, 1, T, S), all layers
         x = self.embed(input_ids)  # (B, T, H)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, None if caches is None else caches[i])
+            x = layer(x, cos, sin, positions, None if caches is None else caches[i], mask=mask)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -1,0 +1,83 @@
+"""Transformer parts: the thin-input Linear path, RMSNorm, and cached decoding against the plain causal forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_mtp.layers import THIN_ROWS, Linear, RMSNorm, visible_slots
+from lightning_mtp.models import CausalLM, ModelConfig
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 32), (2, 32), (1, 1, 32), (3, 4, 32), (THIN_ROWS, 32), (THIN_ROWS + 1, 32)])
+def test_linear_equals_f_linear(shape, bias):
+    torch.manual_seed(0)
+    layer = Linear(32, 48, bias=bias)
+    x = torch.randn(*shape)
+    expected = F.linear(x, layer.weight, layer.bias)
+    out = layer(x)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_accepts_non_contiguous_input_and_keeps_gradients():
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=False)
+    x = torch.randn(16, 3).t().requires_grad_()  # (3, 16), transposed view
+    layer(x).sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    F.linear(ref, layer.weight).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_rms_norm_matches_the_formula_in_fp32_and_bf16():
+    torch.manual_seed(0)
+    norm = RMSNorm(24)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 24)
+    reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    torch.testing.assert_close(norm(x), reference, rtol=1e-6, atol=1e-6)
+    half = norm.to(torch.bfloat16)(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_visible_slots_is_causal_per_row():
+    positions = torch.tensor([[2, 3], [0, 1]])
+    mask = visible_slots(positions, 5)  # (B, 1, T, S)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+    assert mask[1, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_cached_decoding_forward_equals_the_full_causal_forward(n_kv_heads):
+    """Prefill, then ragged chunks of 1-4 tokens per row through the static cache, with stale entries of random
+    tokens beyond each row's position (as rejected drafts leave them): every position's hidden state equals the
+    plain causal forward's."""
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+                                 max_seq_len=64)).eval()
+    model.configure_model()
+    tokens = torch.randint(0, 64, (2, 24))
+    with torch.inference_mode():
+        full = model(tokens)  # (B, T, H)
+        caches = model.allocate_kv_caches(2, 40)
+        prefill = torch.tensor([5, 8])
+        width = int(prefill.max())
+        positions = torch.arange(width).expand(2, width)
+        model(tokens[:, :width], positions, caches)  # row 0 also writes slots 5..7, stale garbage for it
+        start = prefill.clone()
+        chunks = [1, 4, 2, 3, 1, 4]
+        while int(start.max()) < 20:
+            size = chunks[int(start.sum()) % len(chunks)]
+            # rejected drafts of an earlier step: random tokens written at the next 6 slots, partly left stale
+            stale = start.unsqueeze(1) + torch.arange(6)
+            model(torch.randint(0, 64, (2, 6)), stale, caches)
+            positions = start.unsqueeze(1) + torch.arange(size)  # (B, size)
+            hidden = model(tokens.gather(1, positions), positions, caches)
+            for row in range(2):
+                torch.testing.assert_close(hidden[row], full[row, positions[row]], rtol=1e-4, atol=1e-4)
+            # rows advance by different amounts: row 1 keeps only its first token (the rest acts as rejected)
+            start = start + torch.tensor([size, 1])
