@@ -121,7 +121,7 @@ def run_mode(model, prompts: list[torch.Tensor], batch_size: int, max_new_tokens
     return outputs, DecodeStats.combine(stats)
 
 
-def modes(depth: int, batch_sizes: list[int]) -> list[dict]:
+def modes(depth: int, batch_sizes: list[int], compiled: bool = True) -> list[dict]:
     rows = []
     for batch in batch_sizes:
         rows.append(dict(mode="greedy", decoder="plain", policy="-", batch_size=batch, draft_tokens=0,
@@ -138,6 +138,11 @@ def modes(depth: int, batch_sizes: list[int]) -> list[dict]:
     for k in range(1, depth + 1):
         rows.append(dict(mode="sampling", decoder="speculative", policy="fixed", batch_size=1, draft_tokens=k,
                          kwargs=dict(draft_tokens=k, temperature=1.0)))
+    if compiled:  # torch.compile'd step forwards (GenerationConfig.compile): plain and speculative, batch 1
+        rows.append(dict(mode="greedy-compiled", decoder="plain", policy="-", batch_size=1, draft_tokens=0,
+                         kwargs=dict(speculative=False, compile=True)))
+        rows.append(dict(mode="greedy-compiled", decoder="speculative", policy="fixed", batch_size=1,
+                         draft_tokens=depth, kwargs=dict(draft_tokens=depth, compile=True)))
     return rows
 
 
@@ -153,25 +158,27 @@ def median_time(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def cost_breakdown(model, prompt: torch.Tensor, depth: int, repeats: int = 30) -> dict:
-    """Seconds of one 1-token main step, of a (k+1)-token verify forward and of drafting k tokens (batch 1)."""
+def cost_breakdown(model, prompts: list[torch.Tensor], depth: int, repeats: int = 30) -> dict:
+    """Seconds of one 1-token main step, of a (k+1)-token verify forward and of drafting k tokens, for a batch of
+    ``len(prompts)`` rows (each cut to the shortest prompt's length)."""
     host = decoding_host(model)
     drafter = MTPDrafter(model)
-    length = len(prompt)
+    batch = len(prompts)
+    length = min(len(p) for p in prompts)
     max_len = length + 64
-    cache = host.allocate(1, max_len)
-    state = drafter.allocate(1, max_len)
-    tokens = torch.zeros(1, max_len + depth + 2, dtype=torch.long)
-    tokens[0, :length] = prompt
-    positions = torch.arange(length).unsqueeze(0)
+    cache = host.allocate(batch, max_len)
+    state = drafter.allocate(batch, max_len)
+    tokens = torch.zeros(batch, max_len + depth + 2, dtype=torch.long)
+    tokens[:, :length] = torch.stack([p[:length] for p in prompts])
+    positions = torch.arange(length).expand(batch, length)
     hidden = host.forward(tokens[:, :length], positions, cache)
     drafter.observe(state, hidden, positions)
     drafter.commit(state, length)
-    newest = torch.tensor([length - 1])
+    newest = torch.full((batch,), length - 1)
     drafter.draft(state, tokens, newest, depth, SamplingParams())  # fill the modules' caches
     drafter.commit(state, depth + 1)
     out = {}
-    step_positions = newest.view(1, 1)
+    step_positions = newest.view(batch, 1)
 
     def main_step(k: int):
         pos = step_positions + torch.arange(k + 1)
@@ -189,6 +196,19 @@ def cost_breakdown(model, prompt: torch.Tensor, depth: int, repeats: int = 30) -
     for k in range(1, depth + 1):
         out[f"draft_{k}_s"] = median_time(lambda k=k: draft(k), repeats)
     return out
+
+
+def weight_bytes(model) -> dict:
+    """Bytes of the weights one decoding step reads: the trunk's (blocks, final norm, head) and each MTP depth's
+    (its module plus the output head it projects through). At batch 1 a step streams them from memory, so
+    ``draft_over_trunk`` bounds drafting's cost from below in units of a plain step."""
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    head = size(model.mtp_depth_head(1))
+    trunk = size(model.layers) + size(model.norm) + size(model.lm_head)
+    per_depth = size(model.mtp_modules[0]) + head
+    return {"trunk": trunk, "per_depth": per_depth, "draft_over_trunk_per_depth": per_depth / trunk}
 
 
 class Timed:
@@ -238,8 +258,10 @@ def in_situ_breakdown(model, prompts: list[torch.Tensor], depth: int, max_new_to
     return out
 
 
-def explain(rows: list[dict], costs: dict, situ: dict, depth: int) -> list[str]:
-    """Where the time per step goes, in units of a plain 1-token step, and the speedup that implies."""
+def explain(rows: list[dict], costs: dict, situ: dict, depth: int, weights: dict) -> list[str]:
+    """Where the time per step goes, in units of a plain 1-token step, and the speedup that implies.
+
+    ``costs`` maps a batch size to :func:`cost_breakdown`; ``weights`` is :func:`weight_bytes`."""
     unit = situ["plain"]["step_s"]
     spec = situ["speculative"]
     lines = [
@@ -248,19 +270,26 @@ def explain(rows: list[dict], costs: dict, situ: dict, depth: int) -> list[str]:
         f"{spec['rest_s'] / unit:.2f} = {spec['step_s'] / unit:.2f} (plain: forward "
         f"{situ['plain']['forward_s'] / unit:.2f} + rest {situ['plain']['rest_s'] / unit:.2f}); so speedup ~ "
         f"tau / {spec['step_s'] / unit:.2f}, and tau >= {2.0 * spec['step_s'] / unit:.2f} would be needed for 2x",
+        f"weights read per step: trunk {weights['trunk'] / 2**20:.1f} MiB, each MTP depth (module + output head) "
+        f"{weights['per_depth'] / 2**20:.1f} MiB = {weights['draft_over_trunk_per_depth']:.2f} of the trunk; a "
+        f"bandwidth-bound batch-1 step with k={depth} drafts therefore costs at least "
+        f"{1 + depth * weights['draft_over_trunk_per_depth']:.2f} plain steps, whatever the framework overhead",
     ]
-    micro = costs["step_1_token_s"]
-    widths = ", ".join(f"{k + 1} tokens {costs[f'verify_{k + 1}_tokens_s'] / micro:.2f}" for k in range(1, depth + 1))
-    drafts = ", ".join(f"{k} modules {costs[f'draft_{k}_s'] / micro:.2f}" for k in range(1, depth + 1))
-    lines.append(f"isolated (warm caches), in 1-token forwards: verify of {widths}; drafting through {drafts}")
+    for batch, cost in costs.items():
+        micro = cost["step_1_token_s"]
+        widths = ", ".join(f"{k + 1} tokens {cost[f'verify_{k + 1}_tokens_s'] / micro:.2f}"
+                           for k in range(1, depth + 1))
+        drafts = ", ".join(f"{k} modules {cost[f'draft_{k}_s'] / micro:.2f}" for k in range(1, depth + 1))
+        lines.append(f"isolated, batch {batch} (warm caches), in 1-token forwards ({micro * 1e3:.2f} ms): verify of "
+                     f"{widths} per row; drafting through {drafts}")
     for row in rows:
-        if row["batch_size"] != 1 or row["decoder"] != "speculative":
+        if row["decoder"] != "speculative":
             continue
         step = row["seconds_per_step"] / row["plain_seconds_per_step"]
         lines.append(
-            f"{row['mode']} k={row['draft_tokens']} ({row['policy']}, {row['drafts_per_step']:.1f} drafts/step): "
-            f"tau={row['tau']:.2f}, a step costs {step:.2f} plain steps -> speedup {row['tau'] / step:.2f} "
-            f"(measured {row['speedup']:.2f})"
+            f"{row['mode']} batch {row['batch_size']} k={row['draft_tokens']} ({row['policy']}, "
+            f"{row['drafts_per_step']:.1f} drafts/step): tau={row['tau']:.2f}, a step costs {step:.2f} plain steps "
+            f"-> speedup {row['tau'] / step:.2f} (measured {row['speedup']:.2f})"
         )
     return lines
 
@@ -317,6 +346,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: batch-1 decoding of a small model gains little from more, "
                              "and an oversubscribed shared machine makes multi-threaded timings meaningless)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="skip the torch.compile rows (mode greedy-compiled)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if args.threads:
@@ -339,13 +370,20 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if len(prompts) < args.prompts:
         print(f"only {len(prompts)} held-out windows for prompts", flush=True)
     batch_sizes = [1, 8]
-    plan = modes(depth, batch_sizes)
+    plan = modes(depth, batch_sizes, args.compile)
     # Generation must fit: shorten the budget on small-context models rather than fail.
     max_new = min(args.max_new_tokens, model.max_context - max(len(p) for p in prompts))
     print(f"{len(prompts)} prompts of {args.prompt_tokens} tokens, {max_new} new tokens, D={depth}, "
           f"{torch.get_num_threads()} threads", flush=True)
 
     run_mode(model, prompts[:1], 1, 8, 0)  # warm-up
+    compile_seconds = None
+    if args.compile:  # compile every shape the compiled rows meet before timing them (reported separately)
+        start = time.perf_counter()
+        for row in plan:
+            if row["kwargs"].get("compile"):
+                run_mode(model, prompts, row["batch_size"], max_new, seed=0, **row["kwargs"])
+        compile_seconds = time.perf_counter() - start
     times = {i: [] for i in range(len(plan))}
     results = {}
     for repeat in range(args.repeats):
@@ -376,17 +414,22 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                      and r["decoder"] == "plain")
         row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
         row["plain_seconds_per_step"] = plain["seconds_per_step"]
-        if row["mode"] == "greedy":
-            row["lossless"] = row["outputs"] == plain["outputs"]
-    costs = cost_breakdown(model, prompts[0], depth)
+        if row["mode"].startswith("greedy"):
+            eager_plain = next(r for r in rows if r["mode"] == "greedy" and r["batch_size"] == row["batch_size"]
+                               and r["decoder"] == "plain")
+            row["lossless"] = row["outputs"] == eager_plain["outputs"]
+            row["speedup_over_eager_plain"] = row["tokens_per_s"] / eager_plain["tokens_per_s"]
+    costs = {batch: cost_breakdown(model, prompts[:batch], depth) for batch in batch_sizes}
+    weights = weight_bytes(model)
     situ = in_situ_breakdown(model, prompts, depth, max_new)
-    notes = explain(rows, costs, situ, depth)
+    notes = explain(rows, costs, situ, depth, weights)
     for row in rows:
         row.pop("outputs")
 
     def find(mode, batch, k=None):
-        """The speculative row at k drafts (fixed), or the fastest speculative row of any k and policy."""
-        candidates = [r for r in rows if r["mode"] == mode and r["batch_size"] == batch
+        """The speculative row at k drafts (fixed), or the fastest speculative row of any k and policy; eager or
+        compiled (each against plain decoding run the same way)."""
+        candidates = [r for r in rows if r["mode"] in (mode, f"{mode}-compiled") and r["batch_size"] == batch
                       and r["decoder"] == "speculative" and (k is None or (r["draft_tokens"] == k
                                                                             and r["policy"] == "fixed"))]
         return max(candidates, key=lambda r: r["speedup"], default=None)
@@ -401,7 +444,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     for name, goal in TARGETS.items():
         row = measured[name]
         value = None if row is None else (row["tau"] if "tau" in name else row["speedup"])
-        where = None if row is None else {"draft_tokens": row["draft_tokens"], "policy": row["policy"]}
+        where = None if row is None else {"mode": row["mode"], "draft_tokens": row["draft_tokens"],
+                                          "policy": row["policy"]}
         targets[name] = {"target": goal, "measured": value, "met": value is not None and value >= goal, "at": where}
     best = {}
     for batch in batch_sizes:
@@ -418,25 +462,28 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         "max_new_tokens": max_new,
         "depth": depth,
         "architecture": model.mtp_config.architecture,
-        "costs_s": costs,
+        "costs_s": {f"batch_{batch}": cost for batch, cost in costs.items()},
+        "weight_bytes": weights,
         "in_situ_costs_s": situ,
         "explanation": notes,
         "targets": targets,
         "fastest_greedy_policy": best,
         "default_policy": GenerationConfig().to_kwargs(),
+        "compile_seconds": compile_seconds,
     }
     (args.out / "decode.json").write_text(json.dumps(rows, indent=1))
     (args.out / "decode_summary.json").write_text(json.dumps(summary, indent=1))
     plot(rows, args.out / "decode.png")
 
-    print(f"{'mode':9} {'decoder':12} {'policy':10} {'B':>2} {'k':>2} {'tau':>5} {'tok/s':>8} {'speedup':>7}  "
+    print(f"{'mode':15} {'decoder':12} {'policy':10} {'B':>2} {'k':>2} {'tau':>5} {'tok/s':>8} {'speedup':>7}  "
           "accept/depth")
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"])
         flag = "" if r.get("lossless", True) else "  NOT LOSSLESS"
-        print(f"{r['mode']:9} {r['decoder']:12} {r['policy']:10} {r['batch_size']:>2} {r['draft_tokens']:>2} "
+        print(f"{r['mode']:15} {r['decoder']:12} {r['policy']:10} {r['batch_size']:>2} {r['draft_tokens']:>2} "
               f"{r['tau']:5.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}  {acc}{flag}")
-    print("\ncost of one step (batch 1, seconds):", json.dumps({k: round(v, 5) for k, v in costs.items()}))
+    for batch, cost in costs.items():
+        print(f"\ncost of one step (batch {batch}, seconds):", json.dumps({k: round(v, 5) for k, v in cost.items()}))
     for line in notes:
         print(line)
     print()

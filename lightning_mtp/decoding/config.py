@@ -67,6 +67,10 @@ class GenerationConfig:
     """Typical acceptance: accept x when p(x) > min(epsilon, delta · exp(-H(p))) (Medusa paper: epsilon = 0.09)."""
     typical_delta: float = 0.3
     """Typical acceptance: see ``typical_epsilon`` (Medusa paper: delta = 0.3)."""
+    compile: bool = False
+    """``torch.compile`` the per-step forwards (the trunk's decode steps and the MTP modules; prefill stays eager).
+    Faster tokens/s for plain and speculative decoding alike once compiled; the first calls of each shape compile
+    (tens of seconds). Bundled ``CausalLM`` host only. Greedy output stays identical to plain greedy decoding."""
     seed: Optional[int] = None
     """Seed of the sampling generator used by ``predict_step`` (sampling only; ``generate`` takes a generator)."""
 

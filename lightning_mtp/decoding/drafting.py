@@ -100,6 +100,8 @@ class MTPDrafter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.modules = module._require_modules()
+        self.step_modules = list(self.modules)
+        """What :meth:`draft` calls (the modules, or their compiled versions: ``GenerationConfig.compile``)."""
         self.cascaded = module.mtp_config.architecture == "cascaded"
         self.max_drafts = len(self.modules)
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
@@ -140,7 +142,7 @@ class MTPDrafter:
         alive = None  # (B,) rows still drafting (dynamic draft length)
         state.ran = 0
         for k in range(1, num_drafts + 1):
-            module = self.modules[k - 1]
+            module = self.step_modules[k - 1]
             positions = self._window(state, newest, state.windows[k - 1])  # (B, W)
             if self.cascaded:
                 h_in = state.hidden[k - 1][rows, positions]  # (B, W, H) h_(k-1)

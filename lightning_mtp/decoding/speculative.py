@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, DraftLength, Drafts, MTPDrafter
 from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
@@ -370,7 +371,7 @@ def generate(
         generator: ``torch.Generator`` on the module's device for every random draw.
         **options: the other :class:`~lightning_mtp.decoding.GenerationConfig` fields (``draft_confidence_threshold``,
             ``adaptive_draft_tokens``, ``adaptive_min_reach``, ``acceptance``, ``typical_epsilon``,
-            ``typical_delta``).
+            ``typical_delta``, ``compile``).
 
     Returns:
         :class:`GenerateOutput` with ``sequences``, ``new_tokens`` and ``stats`` (:class:`DecodeStats`: forward
@@ -386,6 +387,8 @@ def generate(
     )
     host = decoding_host(module)
     drafter = MTPDrafter(module) if speculative else None
+    if config.compile:
+        host, drafter = compile_decoding(module, host, drafter)
     device, _ = module_device_dtype(module)
     prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
     check_budget(lengths, config.max_new_tokens, host.max_context)
