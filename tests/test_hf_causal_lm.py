@@ -183,6 +183,11 @@ def test_cache_that_cannot_roll_back_names_the_model_class():
         model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4)
 
 
+def test_compile_option_names_its_limit_on_a_transformers_host(models):
+    with pytest.raises(ValueError, match="compile .*supports the bundled CausalLM"):
+        models["llama"].generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4, compile=True)
+
+
 def test_trunk_arguments_are_validated(tmp_path):
     with pytest.raises(ValueError, match="must be a local directory"):
         HFCausalLM(pretrained=str(tmp_path / "missing"))
