@@ -103,14 +103,18 @@ def test_speculative_greedy_equals_plain_greedy(models, architecture, draft_toke
 
 
 def test_compiled_decoding_keeps_greedy_output(models):
-    """``compile=True`` (torch.compile of the step forwards and MTP modules): same tokens as eager plain greedy, on a
-    ragged batch, speculative and plain; checkpoints stay free of compiled wrappers."""
+    """``compile=True``: same tokens as eager plain greedy on a ragged batch, for the fused compiled step (fixed draft
+    length), the per-module compiled path (adaptive draft length) and plain decoding; checkpoints stay free of
+    compiled wrappers."""
     model = models["cascaded"]
     input_ids, mask, prompts = ragged_prompts()
     expected = [alone(model, p, 24) for p in prompts]
     speculative = model.generate(input_ids, 24, draft_tokens=2, attention_mask=mask, compile=True)
     assert rows_of(speculative) == expected
     assert speculative.stats.tau > 1.0
+    assert sum(speculative.stats.accepted_per_depth) > 0  # the fused step records acceptance too
+    adaptive = model.generate(input_ids, 24, adaptive_draft_tokens=True, attention_mask=mask, compile=True)
+    assert rows_of(adaptive) == expected
     plain = model.generate(input_ids, 24, speculative=False, attention_mask=mask, compile=True)
     assert rows_of(plain) == expected
     assert not any("_orig_mod" in key for key in model.state_dict())

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,33 +37,10 @@ from lightning_mtp.decoding.drafting import Drafter, DraftLength, Drafts, MTPDra
 from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
 from lightning_mtp.decoding.lockstep import all_ranks, gathered_output_head, needs_rank_sync
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs, sample
+from lightning_mtp.decoding.state import PAD, DecodeState, emit, new_state, record_acceptance
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.kernels import VerifyOutput, verify_drafts
 from lightning_mtp.kernels.speculative_verify_torch import assemble_output
-
-PAD = -1
-"""Fills the outputs after a row's last token (never a valid token id)."""
-
-@dataclass
-class DecodeState:
-    """Per-call buffers; every tensor is (B, ...) and stays allocated for the whole call."""
-
-    tokens: Tensor
-    """(B, L) prompt, emitted tokens, then scratch (drafts)."""
-    newest: Tensor
-    """(B,) position of each row's newest token (emitted, not yet run through the trunk)."""
-    prompt_lengths: Tensor
-    emitted: Tensor
-    """(B,) tokens emitted so far."""
-    done: Tensor
-    """(B,) rows that hit EOS or their budget."""
-    row_forwards: Tensor
-    steps: Tensor
-    """(D+1,) arange: offsets of the verify window and the emitted tokens."""
-    drafted: Tensor
-    accepted: Tensor
-    histogram: Tensor
-    main_forwards: int = 0
 
 
 # ----------------------------------------------------------------------------------------------- input handling
@@ -122,26 +98,6 @@ def check_budget(prompt_lengths: Tensor, max_new_tokens: int, max_context: int) 
 
 
 # ----------------------------------------------------------------------------------------------- the steps
-def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts: int) -> DecodeState:
-    batch, width = prompts.shape
-    device = prompts.device
-    tokens = torch.zeros(batch, width + max_new_tokens + max_drafts + 2, dtype=torch.long, device=device)
-    tokens[:, :width] = prompts
-    zeros = torch.zeros(batch, dtype=torch.long, device=device)
-    return DecodeState(
-        tokens=tokens,
-        newest=lengths - 1,
-        prompt_lengths=lengths.clone(),
-        emitted=zeros.clone(),
-        done=torch.zeros(batch, dtype=torch.bool, device=device),
-        row_forwards=zeros.clone(),
-        steps=torch.arange(max_drafts + 1, device=device),
-        drafted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
-        accepted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
-        histogram=torch.zeros(max_drafts + 1, dtype=torch.long, device=device),
-    )
-
-
 def prefill(host: DecodingHost, cache: Any, state: DecodeState) -> tuple[Tensor, Tensor, Tensor]:
     """Trunk over every prompt (B, P); returns hidden (B, P, H), positions (B, P) and the last prompt token's logits
     (B, V) of each row."""
@@ -151,32 +107,6 @@ def prefill(host: DecodingHost, cache: Any, state: DecodeState) -> tuple[Tensor,
     state.main_forwards += 1
     last = hidden.gather(1, state.newest.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # (B, 1, H)
     return hidden, positions, host.main_logits(last)[:, 0]
-
-
-def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: int, eos: Optional[int]) -> Tensor:
-    """Append ``out_tokens[:, :count]`` (B, k+1) to every unfinished row, cut at EOS and at the budget.
-
-    Returns the tokens each row actually advanced by (B,) (0 for finished rows).
-    """
-    active = ~state.done
-    count = torch.minimum(count, max_new_tokens - state.emitted) * active  # (B,)
-    width = out_tokens.shape[1]
-    steps = state.steps[:width]
-    if eos is not None:
-        is_eos = (out_tokens == eos) & (steps < count.unsqueeze(1))  # (B, k+1)
-        hit = is_eos.any(dim=1)
-        count = torch.where(hit, is_eos.long().argmax(dim=1) + 1, count)
-    positions = state.newest.unsqueeze(1) + 1 + steps  # (B, k+1)
-    keep = steps < count.unsqueeze(1)
-    state.tokens.scatter_(1, positions, torch.where(keep, out_tokens, state.tokens.gather(1, positions)))
-    state.row_forwards += active
-    state.emitted += count
-    state.newest += count
-    finished = state.emitted >= max_new_tokens
-    if eos is not None:
-        finished |= hit
-    state.done |= finished
-    return count
 
 
 def verify_forward(host: DecodingHost, cache: Any, state: DecodeState, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -218,19 +148,6 @@ def accept(
     return verify_drafts(drafts.tokens, probs, drafts.probs, mode="sampling", generator=generator)
 
 
-def record_acceptance(state: DecodeState, drafts: Tensor, num_accepted: Tensor, active: Tensor) -> Tensor:
-    """Add this step's drafted/accepted counts per depth and the accepted-length histogram; returns the accepted
-    count per depth (k,) of this step."""
-    k = drafts.shape[1]
-    depth = state.steps[1 : k + 1]  # (k,) depths 1..k
-    reached = (num_accepted.unsqueeze(1) >= depth) & active.unsqueeze(1)  # (B, k)
-    accepted = reached.sum(dim=0)
-    state.accepted[:k] += accepted
-    state.drafted[:k] += ((drafts >= 0) & active.unsqueeze(1)).sum(dim=0)
-    state.histogram.index_add_(0, num_accepted, active.long())
-    return accepted
-
-
 # ----------------------------------------------------------------------------------------------- the loop
 @torch.inference_mode()
 def decode(
@@ -241,10 +158,13 @@ def decode(
     config: GenerationConfig,
     generator: Optional[torch.Generator] = None,
     sync_ranks: bool = False,
+    fused_step: Optional[Callable] = None,
 ) -> GenerateOutput:
     """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
 
     ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
+    ``fused_step``: the compiled :func:`~lightning_mtp.decoding.compiled.greedy_speculative_step` (greedy, fixed
+    draft length), used from the second step on (the first fills the MTP modules' caches over the prompt).
     """
     start = time.perf_counter()
     device = prompts.device
@@ -284,6 +204,13 @@ def decode(
             emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, eos)
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
+            continue
+        if fused_step is not None and state.main_forwards > 1:
+            draft_state.windows = [max_drafts + 1] * max_drafts  # one fixed window: one graph (module docstring)
+            summary = fused_step(host.model, drafter, draft_state, cache, state, max_drafts, config.max_new_tokens,
+                                 eos)
+            state.main_forwards += 1
+            finished = bool(summary[0])
             continue
         drafts = drafter.draft(draft_state, state.tokens, state.newest, length_policy.next(), draft_params, generator,
                                config.draft_confidence_threshold)
@@ -387,19 +314,25 @@ def generate(
     )
     host = decoding_host(module)
     drafter = MTPDrafter(module) if speculative else None
+    sync_ranks = needs_rank_sync(module)
+    fused_step = None
     if config.compile:
-        host, drafter = compile_decoding(module, host, drafter)
+        if sync_ranks:
+            raise ValueError("compile (--model.generation.compile) cannot be used with DeepSpeed ZeRO-3 on several "
+                             "processes; leave it False")
+        fixed_greedy = (speculative and not config.sampling and config.draft_confidence_threshold is None
+                        and not config.adaptive_draft_tokens)
+        host, drafter, fused_step = compile_decoding(module, host, drafter, fixed_greedy)
     device, _ = module_device_dtype(module)
     prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
     check_budget(lengths, config.max_new_tokens, host.max_context)
-    sync_ranks = needs_rank_sync(module)
     if sync_ranks and config.draft_confidence_threshold is not None and speculative:
         raise ValueError(
             "draft_confidence_threshold (--model.generation.draft_confidence_threshold) cannot be used with DeepSpeed "
             "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
             "of parameter all-gathers, and deadlock; leave it unset"
         )
-    out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks)
+    out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     return GenerateOutput(out.sequences.clone(), out.new_tokens.clone(), out.num_new_tokens.clone(),
                           out.prompt_lengths.clone(), out.stats)
