@@ -7,6 +7,7 @@ reading the next token's embedding, so they predict what the trunk would predict
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def test_compiled_decoding_keeps_greedy_output(models):
     plain = model.generate(input_ids, 24, speculative=False, attention_mask=mask, compile=True)
     assert rows_of(plain) == expected
     assert not any("_orig_mod" in key for key in model.state_dict())
+    copy.deepcopy(model)  # nothing compiled is attached to the module
 
 
 def test_sequences_hold_prompt_then_new_tokens(models):

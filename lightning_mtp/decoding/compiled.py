@@ -4,10 +4,10 @@ A decoding step at batch 1 runs hundreds of small ops, so eager PyTorch spends m
 Greedy speculative decoding with a fixed draft length compiles its *whole step* -- drafting through every MTP module,
 the verify forward, acceptance and the bookkeeping -- into one graph without host syncs (gpt-fast style,
 :func:`greedy_speculative_step`); every MTP module then recomputes a fixed window of D + 1 positions, so the step
-has one shape. Other modes compile the trunk's step forward and each MTP module. The compiled callables are kept on
-the module (outside its ``nn.Module`` registry, so checkpoints are unchanged) and reused by every later call; shapes
-that change between calls (cache length, tokens per step) are recompiled once as dynamic. Prefill, whose length
-differs per prompt, stays eager.
+has one shape. Other modes compile the trunk's step forward and each MTP module. The compiled callables are kept per
+module (outside it, so checkpoints and pickling are unchanged) and reused by every later call; shapes that change
+between calls (cache length, tokens per step) are recompiled once as dynamic. Prefill, whose length differs per
+prompt, stays eager.
 
 Example::
 
@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,11 +36,15 @@ STEP_TOKENS_MAX = 16
 """Forwards of at most this many tokens per row (decode steps and verifies) use the compiled trunk."""
 
 
+_STORES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
 def _compiled(module: nn.Module) -> dict:
-    """The module's store of compiled callables (a plain dict in ``__dict__``: not a submodule, not in checkpoints)."""
-    store = module.__dict__.get("_mtp_compiled")
+    """The module's store of compiled callables, kept outside the module (so checkpoints, ``state_dict``, pickling
+    and ``deepcopy`` of the module are unchanged) for as long as the module lives."""
+    store = _STORES.get(module)
     if store is None:
-        store = module.__dict__["_mtp_compiled"] = {}
+        store = _STORES[module] = {}
     return store
 
 
