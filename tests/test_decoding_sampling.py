@@ -288,22 +288,22 @@ def test_typical_acceptance_rule():
 
 def test_plain_and_speculative_share_the_sampling_path():
     """p in verification is logits_to_probs of the same logits plain decoding samples from."""
-    from lightning_mtp.decoding import speculative
+    from lightning_mtp.decoding import step
 
     logits = torch.randn(2, 4, VOCAB)
     config = GenerationConfig(temperature=0.7, top_k=5, top_p=0.8)
     seen = {}
 
-    original = speculative.verify_drafts
+    original = step.verify_drafts
 
     def spy(draft_tokens, target, draft_probs=None, **kwargs):
         seen["p"] = target
         return original(draft_tokens, target, draft_probs, **kwargs)
 
     try:
-        speculative.verify_drafts = spy
+        step.verify_drafts = spy
         drafts = Drafts(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3, VOCAB), 1.0 / VOCAB))
-        speculative.accept(drafts, logits, config, None)
+        step.accept(drafts, logits, config, None)
     finally:
-        speculative.verify_drafts = original
+        step.verify_drafts = original
     assert torch.equal(seen["p"], logits_to_probs(logits, 0.7, 5, 0.8))

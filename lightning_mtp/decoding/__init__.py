@@ -17,8 +17,9 @@ from lightning_mtp.decoding.drafting import Drafter, Drafts, MTPDrafter
 from lightning_mtp.decoding.host import CausalLMHost, DecodingHost, decoding_host
 from lightning_mtp.decoding.predict import PredictionWriter, predict_batch
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
-from lightning_mtp.decoding.speculative import accept_typical, decode, generate
+from lightning_mtp.decoding.speculative import decode, generate
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
+from lightning_mtp.decoding.step import accept_typical
 
 __all__ = [
     "CausalLMHost",

@@ -1,13 +1,13 @@
 """Optional ``torch.compile`` of decoding (``GenerationConfig.compile``).
 
 A decoding step at batch 1 runs hundreds of small ops, so eager PyTorch spends much of it in framework overhead.
-Greedy speculative decoding with a fixed draft length compiles its *whole step* -- drafting through every MTP module,
-the verify forward, acceptance and the bookkeeping -- into one graph without host syncs (gpt-fast style,
-:func:`greedy_speculative_step`); every MTP module then recomputes a fixed window of D + 1 positions, so the step
-has one shape. Other modes compile the trunk's step forward and each MTP module. The compiled callables are kept per
-module (outside it, so checkpoints and pickling are unchanged) and reused by every later call; shapes that change
-between calls (cache length, tokens per step) are recompiled once as dynamic. Prefill, whose length differs per
-prompt, stays eager.
+Greedy speculative decoding with a fixed draft length compiles its *whole step*
+(:func:`~lightning_mtp.decoding.step.speculative_step`: drafting through every MTP module, the verify forward,
+acceptance and the bookkeeping) into one graph without host syncs, gpt-fast style; every MTP module then recomputes a
+fixed window of D + 1 positions, so the step has one shape. Other modes compile the trunk's step forward and each
+MTP module. The compiled callables are kept per module (outside it, so checkpoints and pickling are unchanged) and
+reused by every later call; shapes that change between calls (cache length, tokens per step) are recompiled once as
+dynamic. Prefill, whose length differs per prompt, stays eager.
 
 Example::
 
@@ -28,9 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp.decoding.host import CausalLMHost
-from lightning_mtp.decoding.sampling import SamplingParams
-from lightning_mtp.decoding.state import emit, record_acceptance
-from lightning_mtp.kernels.speculative_verify_torch import verify_drafts_torch
+from lightning_mtp.decoding.step import speculative_step
 
 STEP_TOKENS_MAX = 16
 """Forwards of at most this many tokens per row (decode steps and verifies) use the compiled trunk."""
@@ -74,40 +72,23 @@ class CompiledCausalLMHost(CausalLMHost):
         return self._logits(self.model, hidden)
 
 
-def greedy_speculative_step(
-    model: nn.Module, drafter: Any, draft_state: Any, caches: list, state: Any, k: int, max_new_tokens: int,
-    eos: Optional[int],
-) -> Tensor:
-    """One greedy step with ``k`` drafts and no host sync: draft, verify ``[newest, drafts]`` through ``model``'s
-    trunk, accept the longest matching prefix plus the next token, emit. ``draft_state.windows`` must be fixed by the
-    caller. Returns the step's summary (all done, most tokens a row advanced, active rows, accepted per depth)."""
-    active = ~state.done
-    drafts = drafter.draft(draft_state, state.tokens, state.newest, k, SamplingParams())
-    positions = state.newest.unsqueeze(1) + state.steps[: k + 1]  # (B, k+1)
-    hidden = model(state.tokens.gather(1, positions), positions, caches)  # (B, k+1, H)
-    drafter.observe(draft_state, hidden, positions)
-    verdict = verify_drafts_torch(drafts.tokens, model.logits(hidden), mode="greedy")
-    accepted = record_acceptance(state, drafts.tokens, verdict.num_accepted, active)
-    advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, max_new_tokens, eos)
-    return torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
-
-
 def compile_decoding(
     module: nn.Module, host: Any, drafter: Any, fused_greedy: bool
 ) -> tuple[Any, Any, Optional[Callable]]:
-    """The compiled counterparts of ``host`` (bundled ``CausalLM`` only) and of ``drafter``'s MTP modules, and, when
-    ``fused_greedy`` (greedy, fixed draft length), the compiled :func:`greedy_speculative_step` (else ``None``)."""
+    """The compiled counterparts of ``host`` (bundled ``CausalLM`` only) and of ``drafter``'s MTP modules; or, when
+    ``fused_greedy`` (greedy, fixed draft length), the eager host and drafter and the compiled
+    :func:`~lightning_mtp.decoding.step.speculative_step` that traces through them (else ``None``)."""
     if type(host) is not CausalLMHost:
         raise ValueError(
             "compile (GenerationConfig.compile, --model.generation.compile) supports the bundled CausalLM's decoding "
             f"host only, got {type(host).__name__}; leave it False for this model"
         )
     store = _compiled(module)
-    host = CompiledCausalLMHost(module)
     if drafter is None:
-        return host, None, None
-    if fused_greedy:  # the drafter stays eager: the step graph inlines it
-        return host, drafter, store.setdefault("greedy_speculative_step", torch.compile(greedy_speculative_step))
+        return CompiledCausalLMHost(module), None, None
+    if fused_greedy:  # host and drafter stay eager: the step's graph traces through them
+        return host, drafter, store.setdefault("speculative_step", torch.compile(speculative_step))
+    host = CompiledCausalLMHost(module)
     modules = store.get("mtp_modules")
     if modules is None or len(modules) != len(drafter.modules):
         modules = store["mtp_modules"] = [torch.compile(m) for m in drafter.modules]

@@ -3,14 +3,15 @@
 gpt-fast style: small functions over tensors, wired together by :func:`decode`.
 
 1. :func:`prefill` runs the prompts through the trunk and picks each row's first token.
+Then every step (:func:`~lightning_mtp.decoding.step.speculative_step`):
 2. The drafter (:mod:`lightning_mtp.decoding.drafting`) proposes up to k tokens after each row's newest token.
-3. :func:`verify_forward` scores ``[newest token, drafts]`` in one trunk forward.
+3. :func:`~lightning_mtp.decoding.step.verify_forward` scores ``[newest token, drafts]`` in one trunk forward.
 4. Acceptance: ``lightning_mtp.kernels.verify_drafts`` (greedy: longest prefix equal to the argmax plus the main
    model's next token; sampling: speculative rejection sampling, arXiv 2211.17192), or the opt-in, LOSSY Medusa
-   typical acceptance (:func:`accept_typical`).
-5. :func:`emit` appends each row's accepted tokens (its own count: ragged), stops rows at EOS or their budget, and
-   moves each row's newest position; that move is the rollback of the positional caches (rejected entries are masked
-   and overwritten later).
+   typical acceptance (:func:`~lightning_mtp.decoding.step.accept_typical`).
+5. :func:`~lightning_mtp.decoding.state.emit` appends each row's accepted tokens (its own count: ragged), stops
+   rows at EOS or their budget, and moves each row's newest position; that move is the rollback of the positional
+   caches (rejected entries are masked and overwritten later).
 
 Finished rows stay in the batch with their position frozen and emit nothing, so each row's output is what decoding
 it alone gives.
@@ -33,14 +34,13 @@ from torch import Tensor
 
 from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.decoding.drafting import Drafter, DraftLength, Drafts, MTPDrafter
+from lightning_mtp.decoding.drafting import Drafter, DraftLength, MTPDrafter
 from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
 from lightning_mtp.decoding.lockstep import all_ranks, gathered_output_head, needs_rank_sync
-from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs, sample
-from lightning_mtp.decoding.state import PAD, DecodeState, emit, new_state, record_acceptance
+from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens
+from lightning_mtp.decoding.state import PAD, DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
-from lightning_mtp.kernels import VerifyOutput, verify_drafts
-from lightning_mtp.kernels.speculative_verify_torch import assemble_output
+from lightning_mtp.decoding.step import speculative_step, verify_forward
 
 
 # ----------------------------------------------------------------------------------------------- input handling
@@ -109,45 +109,6 @@ def prefill(host: DecodingHost, cache: Any, state: DecodeState) -> tuple[Tensor,
     return hidden, positions, host.main_logits(last)[:, 0]
 
 
-def verify_forward(host: DecodingHost, cache: Any, state: DecodeState, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Trunk over ``[newest token, k drafts]`` of every row; returns hidden (B, k+1, H), positions, logits."""
-    positions = state.newest.unsqueeze(1) + state.steps[: k + 1]  # (B, k+1)
-    hidden = host.forward(state.tokens.gather(1, positions), positions, cache)  # (B, k+1, H)
-    state.main_forwards += 1
-    return hidden, positions, host.main_logits(hidden)
-
-
-def accept_typical(
-    draft_tokens: Tensor, probs: Tensor, epsilon: float, delta: float, generator: Optional[torch.Generator] = None
-) -> VerifyOutput:
-    """Medusa's typical acceptance (arXiv 2401.10774, sec. 2.3.1) -- LOSSY, opt-in only.
-
-    Draft x_j is accepted while p_j(x_j) > min(epsilon, delta · exp(-H(p_j))); the token after the accepted prefix is
-    sampled from p there. ``probs`` (B, k+1, V) are the processed target probabilities.
-    """
-    k = draft_tokens.shape[1]
-    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)  # (B, k+1)
-    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)  # (B, k+1)
-    p_draft = probs[:, :k].gather(2, draft_tokens.clamp_min(0).unsqueeze(2)).squeeze(2)  # (B, k)
-    ok = (draft_tokens >= 0) & (p_draft > threshold[:, :k])
-    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,)
-    rows = torch.arange(probs.shape[0], device=probs.device)
-    next_token = sample(probs[rows, num_accepted], generator)  # (B,)
-    return assemble_output(draft_tokens, num_accepted, next_token)
-
-
-def accept(
-    drafts: Drafts, logits: Tensor, config: GenerationConfig, generator: Optional[torch.Generator]
-) -> VerifyOutput:
-    """Which drafts each row keeps, plus its next token (see the module docstring)."""
-    if not config.sampling:
-        return verify_drafts(drafts.tokens, logits, mode="greedy")
-    probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, k+1, V) = p
-    if config.acceptance == "typical":
-        return accept_typical(drafts.tokens, probs, config.typical_epsilon, config.typical_delta, generator)
-    return verify_drafts(drafts.tokens, probs, drafts.probs, mode="sampling", generator=generator)
-
-
 # ----------------------------------------------------------------------------------------------- the loop
 @torch.inference_mode()
 def decode(
@@ -163,8 +124,8 @@ def decode(
     """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
 
     ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
-    ``fused_step``: the compiled :func:`~lightning_mtp.decoding.compiled.greedy_speculative_step` (greedy, fixed
-    draft length), used from the second step on (the first fills the MTP modules' caches over the prompt).
+    ``fused_step``: :func:`~lightning_mtp.decoding.step.speculative_step` compiled (greedy, fixed draft length),
+    used from the second step on (the first fills the MTP modules' caches over the whole prompt).
     """
     start = time.perf_counter()
     device = prompts.device
@@ -197,7 +158,6 @@ def decode(
 
     finished = _all_done(state, sync_ranks)
     while not finished:
-        active = ~state.done
         if drafter is None:
             _, _, logits = verify_forward(host, cache, state, 0)
             token = choose_tokens(logits[:, 0], params, generator)  # (B,)
@@ -205,27 +165,14 @@ def decode(
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
             continue
+        step = speculative_step
         if fused_step is not None and state.main_forwards > 1:
-            draft_state.windows = [max_drafts + 1] * max_drafts  # one fixed window: one graph (module docstring)
-            summary = fused_step(host.model, drafter, draft_state, cache, state, max_drafts, config.max_new_tokens,
-                                 eos)
-            state.main_forwards += 1
-            finished = bool(summary[0])
-            continue
-        drafts = drafter.draft(draft_state, state.tokens, state.newest, length_policy.next(), draft_params, generator,
-                               config.draft_confidence_threshold)
-        k = drafts.tokens.shape[1]
-        hidden, positions, logits = verify_forward(host, cache, state, k)
-        drafter.observe(draft_state, hidden, positions)
-        verdict = accept(drafts, logits, config, generator)
-        accepted = record_acceptance(state, drafts.tokens, verdict.num_accepted, active)
-        advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens, eos)
-        host.rollback(cache, state.newest)
-        # The step's one host sync: all done?, how far rows moved (drafter windows), acceptance (adaptive length).
-        summary = torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
+            draft_state.windows = [max_drafts + 1] * drafter.max_drafts  # one fixed window: one graph (compiled.py)
+            step = fused_step
+        summary = step(host, drafter, draft_state, cache, state, length_policy.next(), draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
-        finished, moved, active_rows, *reached = summary.tolist()
+        finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
         length_policy.update(reached, int(active_rows))
 
