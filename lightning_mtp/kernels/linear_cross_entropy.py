@@ -246,18 +246,10 @@ def linear_cross_entropy_triton(
     chunk_size: Optional[int] = None,
     recompute: bool = False,
 ) -> LinearCrossEntropyOutput:
-    """Triton twin of :func:`linear_cross_entropy_torch`: same arguments, same outputs.
+    """Triton twin of :func:`linear_cross_entropy_torch`: same arguments (documented there), same outputs.
 
-    Args:
-        hidden: (N, H) fp32/bf16/fp16 final hidden states of every scored row (any depth).
-        weight: (V, H) output projection, same dtype as ``hidden``.
-        targets: (N,) token ids in ``[0, V)``; ``ignore_index`` rows score 0 and get no gradient.
-        row_weights: (N,) weight of each row's loss; ``None`` gives the mean over valid rows.
-        chunk_size: rows of logits materialised at once; default from :func:`default_chunk_size`.
-        recompute: save the inputs and recompute the logits in backward instead of computing gradients in forward
-            (inside activation checkpointing, where the forward runs twice).
-
-    Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors (tests).
+    The kernel takes ``hidden`` in fp32, bf16 or fp16 with ``weight`` of the same dtype, and ``targets`` in
+    ``[0, V)`` or ``ignore_index``. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors (tests).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -218,16 +218,7 @@ def verify_drafts_triton(
     exponentials: Optional[Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> VerifyOutput:
-    """Triton twin of :func:`verify_drafts_torch`: same arguments, outputs and random numbers.
-
-    Args:
-        draft_tokens: (B, k) int drafted ids.
-        target: (B, k+1, V) target logits or probabilities (greedy) / probabilities ``p`` (sampling).
-        draft_probs: (B, k, V) draft probabilities ``q`` (sampling only).
-        mode: ``"greedy"`` or ``"sampling"``.
-        uniforms: (B, k) float64 acceptance uniforms (sampling); drawn from ``generator`` when ``None``.
-        exponentials: (B, V) float32 Exp(1) race variables (sampling); drawn from ``generator`` when ``None``.
-        generator: torch generator on the input device for the draws.
+    """Triton twin of :func:`verify_drafts_torch`: same arguments (documented there), outputs and random numbers.
 
     Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors (tests).
     """
