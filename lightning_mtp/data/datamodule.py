@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import (
     FileSpan,
     check_corpus,
@@ -85,19 +85,6 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray
                 parts.append(eos)
             parts.append(np.asarray(ids, dtype=dtype))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; caches may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class TextDataModule(L.LightningDataModule):
@@ -257,7 +244,7 @@ class TextDataModule(L.LightningDataModule):
         counts = {}
         for split, spans in (("train", train), ("val", val)):
             ids = tokenize_documents([span.read() for span in spans], tokenizer)
-            _atomic_save_npy(out / f"{split}.npy", ids)
+            atomic_write(out / f"{split}.npy", lambda fh, ids=ids: np.save(fh, ids))
             counts[split] = {"files": len(spans), "bytes": sum(s.nbytes for s in spans), "tokens": int(ids.size)}
         meta = {
             "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},

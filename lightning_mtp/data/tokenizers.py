@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import tokenizers as hf_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import FileSpan, as_span, read_texts
 
 EOS_TOKEN = "<|endoftext|>"
@@ -127,20 +127,6 @@ class ByteTokenizer(Tokenizer):
                 raise ValueError(f"ByteTokenizer: id {i} is outside the vocabulary [0, {self.vocab_size})")
         out.append(chunk.decode("utf-8", errors="replace"))
         return "".join(out)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; caches may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 CorpusItem = Union[Path, str, FileSpan]
@@ -299,7 +285,7 @@ class BPETokenizer(Tokenizer):
 
     def save(self, path: PathLike) -> None:
         """Write the tokenizer as JSON (atomically, so concurrent readers never see a partial file)."""
-        _atomic_write_text(Path(path), self._hf.to_str())
+        atomic_write(Path(path), lambda fh: fh.write(self._hf.to_str().encode("utf-8")))
 
 
 def build_tokenizer(
