@@ -37,13 +37,13 @@ STEP_TOKENS_MAX = 16
 _STORES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _compiled(module: nn.Module) -> dict:
-    """The module's store of compiled callables, kept outside the module (so checkpoints, ``state_dict``, pickling
-    and ``deepcopy`` of the module are unchanged) for as long as the module lives."""
-    store = _STORES.get(module)
-    if store is None:
-        store = _STORES[module] = {}
-    return store
+def _compiled(module: nn.Module, key: str, build: Callable[[], Any]) -> Any:
+    """``module``'s compiled callable ``key``, built once by ``build()``. The store lives outside the module (so
+    checkpoints, ``state_dict``, pickling and ``deepcopy`` of the module are unchanged) for as long as it lives."""
+    store = _STORES.setdefault(module, {})
+    if key not in store:
+        store[key] = build()
+    return store[key]
 
 
 def _trunk_step(model: nn.Module, input_ids: Tensor, positions: Tensor, caches: list) -> Tensor:
@@ -59,9 +59,8 @@ class CompiledCausalLMHost(CausalLMHost):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        store = _compiled(model)
-        self._forward = store.setdefault("trunk_step", torch.compile(_trunk_step))
-        self._logits = store.setdefault("main_logits", torch.compile(_main_logits))
+        self._forward = _compiled(model, "trunk_step", lambda: torch.compile(_trunk_step))
+        self._logits = _compiled(model, "main_logits", lambda: torch.compile(_main_logits))
 
     def forward(self, input_ids: Tensor, positions: Tensor, state: list) -> Tensor:
         if input_ids.shape[1] > STEP_TOKENS_MAX:
@@ -83,14 +82,11 @@ def compile_decoding(
             "compile (GenerationConfig.compile, --model.generation.compile) supports the bundled CausalLM's decoding "
             f"host only, got {type(host).__name__}; leave it False for this model"
         )
-    store = _compiled(module)
     if drafter is None:
         return CompiledCausalLMHost(module), None, None
     if fused_greedy:  # host and drafter stay eager: the step's graph traces through them
-        return host, drafter, store.setdefault("speculative_step", torch.compile(speculative_step))
+        return host, drafter, _compiled(module, "speculative_step", lambda: torch.compile(speculative_step))
     host = CompiledCausalLMHost(module)
-    modules = store.get("mtp_modules")
-    if modules is None or len(modules) != len(drafter.modules):
-        modules = store["mtp_modules"] = [torch.compile(m) for m in drafter.modules]
+    modules = _compiled(module, "mtp_modules", lambda: [torch.compile(m) for m in drafter.modules])
     drafter.step_modules = modules
     return host, drafter, None

@@ -100,8 +100,7 @@ class MTPDrafter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.modules = module._require_modules()
-        self.step_modules = list(self.modules)
-        """What :meth:`draft` calls (the modules, or their compiled versions: ``GenerationConfig.compile``)."""
+        self.step_modules = list(self.modules)  # what draft() calls: these, or compiled (GenerationConfig.compile)
         self.cascaded = module.mtp_config.architecture == "cascaded"
         self.max_drafts = len(self.modules)
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
