@@ -112,11 +112,6 @@ class KVCache:
         self.v[rows, positions] = v.to(self.v.dtype)
         return self.k, self.v
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep only the rows in ``index`` (used when finished rows leave a batch)."""
-        self.k = self.k.index_select(0, index)
-        self.v = self.v.index_select(0, index)
-
 
 def visible_slots(positions: Tensor, max_len: int) -> Tensor:
     """(B, 1, T, max_len) bool attention mask of cached decoding: the query at position p sees cache slots 0..p.
