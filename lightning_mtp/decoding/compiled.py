@@ -85,6 +85,7 @@ def compile_decoding(
     if drafter is None:
         return CompiledCausalLMHost(module), None, None
     if fused_greedy:  # host and drafter stay eager: the step's graph traces through them
+        drafter.fixed_window = drafter.max_drafts + 1
         return host, drafter, _compiled(module, "speculative_step", lambda: torch.compile(speculative_step))
     host = CompiledCausalLMHost(module)
     modules = _compiled(module, "mtp_modules", lambda: [torch.compile(m) for m in drafter.modules])

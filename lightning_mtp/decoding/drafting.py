@@ -101,6 +101,9 @@ class MTPDrafter:
         self.module = module
         self.modules = module._require_modules()
         self.step_modules = list(self.modules)  # what draft() calls: these, or compiled (GenerationConfig.compile)
+        # When set (compiled decoding), every module recomputes this many positions after a drafting step, whatever
+        # the rows advanced: one shape per step, so one graph. It must be >= D + 1, the most a step can need.
+        self.fixed_window: Optional[int] = None
         self.cascaded = module.mtp_config.architecture == "cascaded"
         self.max_drafts = len(self.modules)
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
@@ -192,7 +195,7 @@ class MTPDrafter:
     def commit(self, state: MTPDraftState, advanced: int) -> None:
         for k in range(1, self.max_drafts + 1):
             if k <= state.ran:
-                state.windows[k - 1] = max(advanced, k if self.cascaded else 1)
+                state.windows[k - 1] = self.fixed_window or max(advanced, k if self.cascaded else 1)
             else:
                 state.windows[k - 1] += advanced
         state.ran = 0

@@ -165,10 +165,8 @@ def decode(
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
             continue
-        step = speculative_step
-        if fused_step is not None and state.main_forwards > 1:
-            draft_state.windows = [max_drafts + 1] * drafter.max_drafts  # one fixed window: one graph (compiled.py)
-            step = fused_step
+        # the first step's windows cover the whole prompt; later steps have one shape (MTPDrafter.fixed_window)
+        step = fused_step if fused_step is not None and state.main_forwards > 1 else speculative_step
         summary = step(host, drafter, draft_state, cache, state, length_policy.next(), draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
