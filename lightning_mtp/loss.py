@@ -10,6 +10,9 @@ weight-gradient buffer serves every depth, and no logits are kept for backward. 
 depth's block is activation-checkpointed (:func:`run_depth`), sublayer by sublayer.
 Under DeepSpeed ZeRO-3 (a partitioned head weight) the same loss goes through the head module instead
 (:func:`lightning_mtp.zero.head_cross_entropy`).
+
+Hosts that scale or soft-cap their head's outputs (Cohere, Granite, Gemma-2, ...) describe that with a
+:class:`LogitTransform` (``MTPMixin.mtp_logit_transform``); every depth's logits get it, in the loss and in decoding.
 """
 
 from __future__ import annotations
@@ -21,7 +24,37 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp.kernels import linear_cross_entropy
+from lightning_mtp.kernels.linear_cross_entropy_torch import check_logit_transform, scale_and_cap
 from lightning_mtp.zero import head_cross_entropy, is_partitioned
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a host does to its head's outputs z before softmax: y = softcap · tanh(scale · z / softcap), or
+    y = scale · z without a cap. The default is the identity.
+
+    Example::
+
+        >>> import torch
+        >>> LogitTransform(scale=0.5, softcap=1.0)(torch.tensor([0.0, 100.0]))
+        tensor([0., 1.])
+    """
+
+    scale: float = 1.0
+    """Multiplier of the head's outputs (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``)."""
+    softcap: Optional[float] = None
+    """Cap of the tanh soft-capping after the scale (Gemma-2's ``final_logit_softcapping``); ``None``: no cap."""
+
+    def __post_init__(self) -> None:
+        check_logit_transform(self.scale, self.softcap, names=("LogitTransform.scale", "LogitTransform.softcap"))
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """The transformed logits (same shape; out of place, in the dtype of ``logits``)."""
+        return logits if self.is_identity else scale_and_cap(logits, self.scale, self.softcap)
 
 
 def depth_targets(labels: Tensor, depth: int, length: int) -> Tensor:
@@ -60,12 +93,17 @@ class DepthLossSpec:
         return targets, scale.expand(targets.shape[0]), count
 
 
-def score_jointly(specs: Sequence[DepthLossSpec], normed: list[Tensor]) -> list[DepthLossPart]:
+def score_jointly(
+    specs: Sequence[DepthLossSpec], normed: list[Tensor], transform: Optional[LogitTransform] = None
+) -> list[DepthLossPart]:
     """Score several depths with one chunked cross-entropy call per distinct head weight.
 
     ``normed`` holds each depth's (B, L, H) normed hidden states. The list is consumed (emptied) so that, once the
     rows are concatenated, the per-depth tensors can be freed before the cross-entropy allocates its gradients.
+    ``transform`` is the host's logit transform (default: none), applied to every head's outputs.
     """
+    transform = transform or LogitTransform()
+    scaling = dict(logit_scale=transform.scale, softcap=transform.softcap)
     parts: list[Optional[DepthLossPart]] = [None] * len(specs)
     groups: dict[int, list[int]] = {}
     for i, spec in enumerate(specs):
@@ -84,10 +122,11 @@ def score_jointly(specs: Sequence[DepthLossSpec], normed: list[Tensor]) -> list[
             # DeepSpeed ZeRO-3: the weight is an empty partition here; the module call gathers it.
             if first.head is None:
                 raise ValueError("DepthLossSpec.head is required when head_weight is a DeepSpeed ZeRO-3 partition")
-            out = head_cross_entropy(hidden, first.head, targets, row_weights, first.ignore_index, first.chunk_size)
+            out = head_cross_entropy(hidden, first.head, targets, row_weights, first.ignore_index, first.chunk_size,
+                                     **scaling)
         else:
             out = linear_cross_entropy(hidden, first.head_weight, targets, row_weights, first.ignore_index,
-                                       first.chunk_size, overwrite_hidden=len(members) > 1)
+                                       first.chunk_size, overwrite_hidden=len(members) > 1, **scaling)
         del hidden
         # The joint loss is attributed to the group's first member; the others carry zero (the sum is what counts).
         losses = [out.loss] + [out.loss.new_zeros(())] * (len(members) - 1)

@@ -4,7 +4,8 @@ Under ZeRO-3 a parameter outside a gathered context is an empty partition (its r
 the fused :func:`lightning_mtp.kernels.linear_cross_entropy`, which takes the head's weight tensor, cannot be used
 (Liger-Kernel #767 hit the same). :func:`head_cross_entropy` computes the same weighted, chunked cross-entropy by
 calling the head module on each row chunk, inside activation checkpointing: the module's hooks gather its weight in
-forward and again when backward recomputes the chunk, and no chunk's logits are kept for backward.
+forward and again when backward recomputes the chunk, and no chunk's logits are kept for backward. The host's logit
+transform (``logit_scale``, ``softcap``) is applied to each chunk's head output, as the fused kernel does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mtp.kernels.linear_cross_entropy_torch import (
     LinearCrossEntropyOutput,
+    check_logit_transform,
     default_chunk_size,
     resolve_row_weights,
+    scale_and_cap,
 )
 
 
@@ -34,10 +37,16 @@ def full_shape(param: Tensor) -> torch.Size:
 
 
 def _chunk_cross_entropy(
-    head: nn.Module, hidden: Tensor, targets: Tensor, row_weights: Tensor, ignore_index: int
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    row_weights: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk: weighted CE sum, per-row CE (c,) (0 where ignored) and argmax (c,)."""
-    logits = head(hidden).float()  # (c, V)
+    logits = scale_and_cap(head(hidden).float(), logit_scale, softcap)  # (c, V)
     valid = targets != ignore_index
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     row_loss = F.cross_entropy(logits, safe_targets, reduction="none") * valid  # (c,)
@@ -51,6 +60,8 @@ def head_cross_entropy(
     row_weights: Optional[Tensor] = None,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> LinearCrossEntropyOutput:
     """``linear_cross_entropy(hidden, head.weight, ...)`` computed by calling ``head``, for partitioned weights.
 
@@ -60,11 +71,13 @@ def head_cross_entropy(
         targets: (N,) target ids, ``ignore_index`` where masked.
         row_weights: (N,) weight of each row in the loss; ``None`` is the mean over valid rows.
         chunk_size: rows of logits materialised at once (default as the fused kernel's).
+        logit_scale, softcap: the host's logit transform, as in the fused kernel (1 and ``None``: none).
 
     Returns:
         The fused kernel's :class:`LinearCrossEntropyOutput`: the weighted loss (differentiable w.r.t. ``hidden`` and
         the head's parameters), per-row CE and argmax (detached).
     """
+    check_logit_transform(logit_scale, softcap)
     num_rows = hidden.shape[0]
     weight = getattr(head, "weight", None)
     vocab = full_shape(weight)[0] if weight is not None else head.out_features
@@ -74,7 +87,7 @@ def head_cross_entropy(
     losses, row_losses, row_argmax = [], [], []
     for start in range(0, num_rows, chunk_size):
         end = min(start + chunk_size, num_rows)
-        args = (head, hidden[start:end], targets[start:end], weights[start:end], ignore_index)
+        args = (head, hidden[start:end], targets[start:end], weights[start:end], ignore_index, logit_scale, softcap)
         if recompute:
             loss, row_loss, argmax = checkpoint(_chunk_cross_entropy, *args, use_reentrant=False)
         else:

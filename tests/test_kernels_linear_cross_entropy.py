@@ -6,6 +6,10 @@ triton) first. So the kernel tests are marked ``needs_interpreter`` and skipped 
 :func:`test_interpreted_suite_in_subprocess` re-runs this file in a child pytest with ``TRITON_INTERPRET=1`` set, where
 they run (and that test skips itself). Running pytest with ``TRITON_INTERPRET=1`` already set runs them in-process.
 
+Logit scaling and soft-capping (``logit_scale``, ``softcap``: Cohere, Granite, Gemma-2) are checked against a
+naive reference that materialises the logits, transforms them and calls ``F.cross_entropy``: the twin in the normal
+process, the kernel under the interpreter.
+
 Tolerances (fp32): atol 1e-5 / rtol 5e-4. Logits come from the same matmul in both backends; the kernel differs from
 ``torch.logsumexp`` only in summation order (tiled online logsumexp), a few fp32 ulps on losses and gradients.
 bf16 is checked on GPU only (``gpu`` marker): dlogits are stored in bf16 by the kernel (fp32 in the twin), so
@@ -15,11 +19,13 @@ gradients there agree to bf16 precision.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_harness import INTERPRETED, gpu, needs_cuda, needs_interpreter, run_interpreted_subprocess
 
 import lightning_mtp.kernels as kernels
 from lightning_mtp.kernels import linear_cross_entropy, linear_cross_entropy_torch
 from lightning_mtp.kernels.linear_cross_entropy import linear_cross_entropy_triton
+from lightning_mtp.kernels.linear_cross_entropy_torch import scale_and_cap
 
 ATOL, RTOL = 1e-5, 5e-4
 
@@ -49,9 +55,10 @@ def run(fn, hidden, weight, targets, row_weights, chunk_size, grad_scale=2.0, **
 
 
 def assert_matches_twin(
-    hidden, weight, targets, row_weights, chunk_size, atol=ATOL, rtol=RTOL, exact_argmax=True, recompute=False
+    hidden, weight, targets, row_weights, chunk_size, atol=ATOL, rtol=RTOL, exact_argmax=True, recompute=False,
+    **transform,
 ):
-    kw = dict(recompute=recompute)
+    kw = dict(recompute=recompute, **transform)
     out_k, gh_k, gw_k = run(linear_cross_entropy_triton, hidden, weight, targets, row_weights, chunk_size, **kw)
     out_t, gh_t, gw_t = run(linear_cross_entropy_torch, hidden, weight, targets, row_weights, chunk_size, **kw)
     torch.testing.assert_close(out_k.loss, out_t.loss, atol=atol, rtol=rtol)
@@ -167,6 +174,80 @@ def test_forced_triton_on_cpu_under_interpreter(monkeypatch):
     assert called == [1, 1]
 
 
+# ---- logit scaling and soft-capping against materialised logits ----
+
+# (logit_scale, softcap). Logits here have a std of about 1.5, so a cap of 2 bends most of them and saturates some;
+# a negative scale reverses the argmax.
+TRANSFORMS = {
+    "scale": (0.25, None),
+    "softcap": (1.0, 2.0),
+    "scale-and-softcap": (3.0, 2.0),
+    "negative-scale-and-softcap": (-0.5, 1.5),
+}
+
+
+def naive_transformed_loss(hidden, weight, targets, row_weights, logit_scale, softcap):
+    """Materialised logits (N, V), transformed, then ``F.cross_entropy``: loss, per-row CE and argmax."""
+    logits = scale_and_cap(hidden.float() @ weight.float().T, logit_scale, softcap)  # (N, V)
+    valid = targets != -100
+    rows = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)  # (N,), 0 where ignored
+    weights = row_weights if row_weights is not None else valid.float() / valid.sum().clamp(min=1)
+    return (rows * weights * valid).sum(), rows.detach(), logits.argmax(-1)
+
+
+def assert_matches_naive_reference(fn, transform, recompute, **kwargs):
+    logit_scale, softcap = TRANSFORMS[transform]
+    hidden, weight, targets, row_weights = make_inputs(37, 24, 257, ignored=(0, 9, 10), weighted=True, seed=4)
+    out, grad_hidden, grad_weight = run(fn, hidden, weight, targets, row_weights, 8, recompute=recompute,
+                                        logit_scale=logit_scale, softcap=softcap, **kwargs)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, rows, argmax = naive_transformed_loss(h, w, targets, row_weights, logit_scale, softcap)
+    ref_hidden, ref_weight = torch.autograd.grad(2.0 * loss, [h, w])  # run() backpropagates 2 * loss
+    untransformed = naive_transformed_loss(hidden, weight, targets, row_weights, 1.0, None)[0]
+    assert abs(float(untransformed - loss.detach())) > 0.1  # the transform matters at these shapes
+    torch.testing.assert_close(out.loss, loss.detach(), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.row_loss, rows, atol=ATOL, rtol=RTOL)
+    assert torch.equal(out.row_argmax, argmax)
+    torch.testing.assert_close(grad_hidden, ref_hidden, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(grad_weight, ref_weight, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_twin_scales_and_caps_logits_like_the_naive_reference(transform, recompute):
+    assert_matches_naive_reference(linear_cross_entropy_torch, transform, recompute)
+    assert_matches_naive_reference(linear_cross_entropy, transform, recompute, backend="torch")  # the dispatcher
+
+
+@needs_interpreter
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_kernel_scales_and_caps_logits_like_the_naive_reference(transform, recompute):
+    assert_matches_naive_reference(linear_cross_entropy_triton, transform, recompute)
+    logit_scale, softcap = TRANSFORMS[transform]
+    hidden, weight, targets, row_weights = make_inputs(29, 16, 300, ignored=(3,), weighted=True, seed=6)
+    assert_matches_twin(hidden, weight, targets, row_weights, 6, recompute=recompute, logit_scale=logit_scale,
+                        softcap=softcap)
+
+
+@needs_interpreter
+def test_forced_triton_dispatch_passes_the_logit_transform():
+    hidden, weight, targets, row_weights = make_inputs(11, 8, 90, ignored=(1,), weighted=True)
+    out = linear_cross_entropy(hidden, weight, targets, row_weights, -100, 4, backend="triton", logit_scale=0.5,
+                               softcap=1.0)
+    reference = naive_transformed_loss(hidden, weight, targets, row_weights, 0.5, 1.0)[0]
+    torch.testing.assert_close(out.loss, reference, atol=ATOL, rtol=RTOL)
+
+
+def test_bad_logit_transform_names_the_argument():
+    hidden, weight, targets, _ = make_inputs(4, 8, 16)
+    for fn in (linear_cross_entropy_torch, linear_cross_entropy_triton):  # checked before any launch
+        with pytest.raises(ValueError, match="softcap must be None or a finite number > 0, got 0.0"):
+            fn(hidden, weight, targets, softcap=0.0)
+        with pytest.raises(ValueError, match="logit_scale must be a finite number, got inf"):
+            fn(hidden, weight, targets, logit_scale=float("inf"))
+
+
 # ---- dispatch (no kernel launch: runs in the normal process) ----
 
 
@@ -253,6 +334,23 @@ def test_gpu_bf16_matches_twin(weighted):
     for got, want in ((gh_k, gh_t), (gw_k, gw_t)):
         scale = want.float().abs().max()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * float(scale), rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_softcap_matches_twin(dtype):
+    hidden, weight, targets, row_weights = make_inputs(
+        777, 256, 32003, dtype=dtype, device="cuda", ignored=range(0, 100), weighted=True
+    )
+    kw = dict(logit_scale=1.5, softcap=2.0)
+    out_k, gh_k, gw_k = run(linear_cross_entropy_triton, hidden, weight, targets, row_weights, 200, **kw)
+    out_t, gh_t, gw_t = run(linear_cross_entropy_torch, hidden, weight, targets, row_weights, 200, **kw)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-4
+    torch.testing.assert_close(out_k.row_loss, out_t.row_loss, atol=tolerance, rtol=tolerance)
+    for got, want in ((gh_k, gh_t), (gw_k, gw_t)):
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
 @gpu

@@ -56,17 +56,21 @@ def linear_cross_entropy(
     recompute: bool = False,
     backend: str = "auto",
     overwrite_hidden: bool = False,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> LinearCrossEntropyOutput:
     """Weighted cross-entropy of ``hidden (N, H) @ weight (V, H).T`` against ``targets (N,)``, chunked.
 
-    See :func:`linear_cross_entropy_torch` for the arguments (``recompute=True`` inside activation checkpointing) and
-    outputs; ``backend`` picks the implementation (module docstring). ``overwrite_hidden`` lets the torch twin reuse a
-    scratch ``hidden`` for its gradient (the kernel ignores it).
+    See :func:`linear_cross_entropy_torch` for the arguments (``recompute=True`` inside activation checkpointing,
+    ``logit_scale``/``softcap`` for hosts that scale or soft-cap their logits) and outputs; ``backend`` picks the
+    implementation (module docstring). ``overwrite_hidden`` lets the torch twin reuse a scratch ``hidden`` for its
+    gradient (the kernel ignores it).
     """
     args = (hidden, weight, targets, row_weights, ignore_index, chunk_size)
+    transform = dict(logit_scale=logit_scale, softcap=softcap)
     if resolve_backend(backend, hidden, weight, targets, row_weights) == "triton":
-        return linear_cross_entropy_triton(*args, recompute=recompute)
-    return linear_cross_entropy_torch(*args, recompute=recompute, overwrite_hidden=overwrite_hidden)
+        return linear_cross_entropy_triton(*args, recompute=recompute, **transform)
+    return linear_cross_entropy_torch(*args, recompute=recompute, overwrite_hidden=overwrite_hidden, **transform)
 
 
 def verify_drafts(

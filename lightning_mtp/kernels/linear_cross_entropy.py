@@ -7,7 +7,9 @@ Same signature and outputs as :func:`~lightning_mtp.kernels.linear_cross_entropy
    than one chunk of logits ever exists);
 2. :func:`_lce_row_kernel`, one program per row, streams the row in ``BLOCK_V`` tiles: online logsumexp, the target
    logit and the first argmax in a first pass, then (when gradients are needed) overwrites the logits IN PLACE with
-   ``d loss / d logits = (softmax - onehot) * row_weight``; loads are cast to fp32, so bf16 works;
+   ``d loss / d logits = (softmax - onehot) * row_weight``; loads are cast to fp32, so bf16 works. The host's logit
+   transform (``logit_scale`` s, ``softcap`` cap) is applied to each loaded tile, y = cap · tanh(s · z / cap), and
+   the gradient gets the chain-rule factor dy/dz = s · (1 - tanh²) (the twin's module docstring has the math);
 3. ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight += dlogits.T @ h`` into ONE fp32 buffer for all rows (all
    depths sharing the head go through one call).
 
@@ -35,6 +37,7 @@ from torch import Tensor
 from lightning_mtp.kernels.dispatch import LazyKernel, check_triton_usable
 from lightning_mtp.kernels.linear_cross_entropy_torch import (
     LinearCrossEntropyOutput,
+    check_logit_transform,
     default_chunk_size,
     resolve_row_weights,
 )
@@ -54,9 +57,14 @@ def _lce_row_kernel(
     row_argmax_ptr,  # (c,) int64 out
     V,  # vocabulary size
     ignore_index,
+    logit_scale,  # fp32: multiplies the raw logits (1.0 = none)
+    softcap,  # fp32: cap of the tanh soft-capping when SOFTCAP
+    SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    # tanh(u) is written out as sign(u) · (1 - e^(-2|u|)) / (1 + e^(-2|u|)): libdevice's tanh has no interpreter
+    # counterpart, and a @triton.jit helper would be compiled at import (see LazyKernel).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row)
@@ -72,7 +80,12 @@ def _lce_row_kernel(
     for start in range(0, V, BLOCK_V):
         offs = start + cols  # (BLOCK_V,)
         in_vocab = offs < V
-        x = tl.load(row_ptr + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=in_vocab, other=0.0).to(tl.float32) * logit_scale
+        if SOFTCAP:
+            u = x / softcap
+            e = tl.exp(-2.0 * tl.abs(u))
+            x = softcap * tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        x = tl.where(in_vocab, x, float("-inf"))  # (BLOCK_V,) transformed logits y, -inf past the vocabulary
         tile_max = tl.max(x, axis=0)
         # first index attaining the tile max; masked lanes are excluded so no id ≥ V can come out
         tile_arg = tl.min(tl.where(in_vocab & (x == tile_max), offs, V), axis=0).to(tl.int64)
@@ -87,13 +100,19 @@ def _lce_row_kernel(
     tl.store(row_argmax_ptr + row, tl.minimum(best_idx, V - 1))
 
     if COMPUTE_GRAD:
-        # pass 2: dlogits = (softmax - onehot) * w, written over the logits; w == 0 on ignored rows
-        w = tl.load(row_weights_ptr + row)
+        # pass 2: dlogits = (softmax(y) - onehot) * dy/dz * w, written over the logits; w == 0 on ignored rows
+        w = tl.load(row_weights_ptr + row) * logit_scale  # the constant factor s of dy/dz folded in
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             in_vocab = offs < V
-            x = tl.load(row_ptr + offs, mask=in_vocab, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
+            x = tl.load(row_ptr + offs, mask=in_vocab, other=0.0).to(tl.float32) * logit_scale
+            if SOFTCAP:
+                u = x / softcap
+                e = tl.exp(-2.0 * tl.abs(u))
+                tanh = tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+                grad = (tl.exp(softcap * tanh - lse) - tl.where(offs == target, 1.0, 0.0)) * (1.0 - tanh * tanh)
+            else:
+                grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
             tl.store(row_ptr + offs, (grad * w).to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
@@ -147,10 +166,13 @@ def fused_chunked_pass(
     chunk_size: int,
     grad_hidden_wanted: bool,
     grad_weight_wanted: bool,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
 ):
     """One chunked sweep: ``(row_loss (N,) fp32, row_argmax (N,) int64, grad_hidden | None, grad_weight fp32 | None)``.
 
-    ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows). Inputs must be contiguous.
+    ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows). Inputs must be contiguous. The loss,
+    argmax and gradients are those of the logits scaled by ``logit_scale`` and capped by ``softcap``.
     """
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     compute_grad = grad_hidden_wanted or grad_weight_wanted
@@ -174,6 +196,9 @@ def fused_chunked_pass(
             row_argmax[start:end],
             vocab,
             ignore_index,
+            float(logit_scale),
+            1.0 if softcap is None else float(softcap),
+            SOFTCAP=softcap is not None,
             COMPUTE_GRAD=compute_grad,
         )
         # logits now holds d(loss)/d(logits) when compute_grad
@@ -188,10 +213,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Gradients are computed in forward (no logits kept); backward only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
         # hidden (N, H), weight (V, H), targets (N,) int64, row_weights (N,) fp32 already zero on ignored rows
         row_loss, row_argmax, grad_hidden, grad_weight = fused_chunked_pass(
-            hidden, weight, targets, row_weights, ignore_index, chunk_size, *ctx.needs_input_grad[:2]
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, *ctx.needs_input_grad[:2], logit_scale,
+            softcap,
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -205,7 +231,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class RecomputingFusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -216,12 +242,12 @@ class RecomputingFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
         row_loss, row_argmax, _, _ = fused_chunked_pass(
-            hidden, weight, targets, row_weights, ignore_index, chunk_size, False, False
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, False, False, logit_scale, softcap
         )
         ctx.save_for_backward(hidden, weight, targets, row_weights)
-        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.ignore_index, ctx.chunk_size, ctx.logit_scale, ctx.softcap = ignore_index, chunk_size, logit_scale, softcap
         ctx.mark_non_differentiable(row_loss, row_argmax)
         return (row_loss * row_weights).sum(), row_loss, row_argmax
 
@@ -230,11 +256,12 @@ class RecomputingFusedLinearCrossEntropyFunction(torch.autograd.Function):
         hidden, weight, targets, row_weights = ctx.saved_tensors
         scale = (row_weights * grad_loss).contiguous()  # (N,) fp32: the incoming gradient folded into the row weights
         _, _, grad_hidden, grad_weight = fused_chunked_pass(
-            hidden, weight, targets, scale, ctx.ignore_index, ctx.chunk_size, *ctx.needs_input_grad[:2]
+            hidden, weight, targets, scale, ctx.ignore_index, ctx.chunk_size, *ctx.needs_input_grad[:2],
+            ctx.logit_scale, ctx.softcap,
         )
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy_triton(
@@ -245,6 +272,8 @@ def linear_cross_entropy_triton(
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
     recompute: bool = False,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> LinearCrossEntropyOutput:
     """Triton twin of :func:`linear_cross_entropy_torch`: same arguments (documented there), same outputs.
 
@@ -259,6 +288,7 @@ def linear_cross_entropy_triton(
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    check_logit_transform(logit_scale, softcap)
     check_triton_usable(hidden, weight, targets, row_weights)
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index).contiguous()
@@ -270,5 +300,7 @@ def linear_cross_entropy_triton(
         weights,
         int(ignore_index),
         int(chunk_size),
+        float(logit_scale),
+        None if softcap is None else float(softcap),
     )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)

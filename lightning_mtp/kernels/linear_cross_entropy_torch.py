@@ -5,6 +5,11 @@ and of the output weight are computed chunk by chunk in the forward pass (as Lig
 scales them by the incoming gradient: no logits are kept for backward and no forward is recomputed. All depths that
 share one head go through one call, so a single fp32 weight-gradient buffer serves them all.
 
+Hosts whose forward transforms the head's output (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, Gemma-2's
+``final_logit_softcapping``) are scored on the transformed logits y = cap · tanh(s · z / cap) (y = s · z without a
+cap) of the raw head outputs z, in the model's order of operations (:func:`scale_and_cap`). The chain rule then
+multiplies d(CE)/dy = softmax(y) - onehot by dy/dz = s · (1 - tanh²(s · z / cap)) = s · (1 - (y / cap)²).
+
 Example::
 
     >>> import torch
@@ -18,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,9 +53,82 @@ def resolve_row_weights(targets: Tensor, row_weights: Optional[Tensor], ignore_i
     return row_weights.float() * valid
 
 
+def check_logit_transform(
+    logit_scale: float, softcap: Optional[float], names: tuple[str, str] = ("logit_scale", "softcap")
+) -> None:
+    """Raise a ``ValueError`` naming the argument (``names``): the scale must be finite, the cap ``None`` or > 0."""
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
+        raise ValueError(f"{names[0]} must be a finite number, got {logit_scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"{names[1]} must be None or a finite number > 0, got {softcap!r}")
+
+
+def scale_and_cap(logits: Tensor, logit_scale: float = 1.0, softcap: Optional[float] = None) -> Tensor:
+    """``softcap · tanh(logit_scale · logits / softcap)`` (``logit_scale · logits`` without a cap), out of place.
+
+    The reference of what the kernels do to the raw head outputs, with ``transformers``' order of operations
+    (``CohereForCausalLM``: ``logits * logit_scale``; ``Gemma2ForCausalLM``: ``tanh(logits / cap) * cap``).
+    """
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _scale_and_cap_(logits: Tensor, logit_scale: float, softcap: Optional[float], with_slope: bool) -> Optional[Tensor]:
+    """:func:`scale_and_cap` in place on fp32 ``logits`` (c, V). Returns the slope dy/dz = s · (1 - tanh²) (c, V)
+    when ``with_slope`` and a cap makes it vary per logit; ``None`` otherwise (the slope is the constant s)."""
+    if logit_scale != 1.0:
+        logits.mul_(logit_scale)
+    if softcap is None:
+        return None
+    tanh = logits.div_(softcap).tanh_()
+    slope = tanh.square().neg_().add_(1.0).mul_(logit_scale) if with_slope else None
+    tanh.mul_(softcap)
+    return slope
+
+
+def _score_chunk(
+    h: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    row_weights: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    with_grad: bool,
+    with_rows: bool = True,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """One row chunk: CE per row (c,) (0 where ignored) and argmax (c,) when ``with_rows``, and when ``with_grad`` the
+    fp32 gradient of Σ_i row_weights[i] · CE_i w.r.t. the raw head outputs h @ W.T (c, V)."""
+    logits = (h @ weight.t()).float()  # (c, V) raw head outputs z
+    slope = _scale_and_cap_(logits, logit_scale, softcap, with_grad)  # logits now hold y
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)  # (c, 1)
+    lse = torch.logsumexp(logits, dim=-1)  # (c,)
+    row_loss = row_argmax = None
+    if with_rows:
+        row_loss = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
+        row_argmax = logits.argmax(dim=-1)
+    if not with_grad:
+        return row_loss, row_argmax, None
+    # d(CE)/dy = softmax - onehot, scaled by each row's weight; reuse the logits buffer.
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad.dtype))
+    if slope is None:  # constant dy/dz = s: fold it into the row weights
+        grad.mul_((row_weights * logit_scale).unsqueeze(1))
+    else:
+        grad.mul_(row_weights.unsqueeze(1)).mul_(slope)
+    return row_loss, row_argmax, grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, overwrite_hidden=False):
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, overwrite_hidden, logit_scale,
+                softcap):
         # hidden (N, H), weight (V, H), targets (N,), row_weights (N,) fp32, already zero on ignored rows
         num_rows = hidden.shape[0]
         needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -65,22 +144,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
             h = hidden[start:end]  # (c, H)
-            logits = (h @ weight.t()).float()  # (c, V)
-            target = targets[start:end]
-            valid = target != ignore_index
-            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)  # (c, 1)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            row_loss[start:end] = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
-            row_argmax[start:end] = logits.argmax(dim=-1)
-            if needs_hidden_grad or needs_weight_grad:
-                # d(CE)/d(logits) = softmax - onehot, scaled by each row's weight; reuse the logits buffer.
-                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
-                grad_logits.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad_logits.dtype))
-                grad_logits.mul_(row_weights[start:end].unsqueeze(1))
-                if needs_weight_grad:  # before the hidden rows may be overwritten by their gradient
-                    grad_weight.addmm_(grad_logits.t(), h.float())
-                if needs_hidden_grad:
-                    grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+            row_loss[start:end], row_argmax[start:end], grad_logits = _score_chunk(
+                h, weight, targets[start:end], row_weights[start:end], ignore_index, logit_scale, softcap,
+                needs_hidden_grad or needs_weight_grad,
+            )
+            if needs_weight_grad:  # before the hidden rows may be overwritten by their gradient
+                grad_weight.addmm_(grad_logits.t(), h.float())
+            if needs_hidden_grad:
+                grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype, ctx.consumed = weight.dtype, False
         ctx.mark_non_differentiable(row_loss, row_argmax)
@@ -97,7 +168,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class _RecomputingLinearCrossEntropy(torch.autograd.Function):
@@ -108,21 +179,18 @@ class _RecomputingLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
         num_rows = hidden.shape[0]
         row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
         row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
-            logits = (hidden[start:end] @ weight.t()).float()  # (c, V)
-            target = targets[start:end]
-            valid = target != ignore_index
-            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-            lse = torch.logsumexp(logits, dim=-1)
-            row_loss[start:end] = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
-            row_argmax[start:end] = logits.argmax(dim=-1)
+            row_loss[start:end], row_argmax[start:end], _ = _score_chunk(
+                hidden[start:end], weight, targets[start:end], row_weights[start:end], ignore_index, logit_scale,
+                softcap, False,
+            )
         ctx.save_for_backward(hidden, weight, targets, row_weights)
-        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.ignore_index, ctx.chunk_size, ctx.logit_scale, ctx.softcap = ignore_index, chunk_size, logit_scale, softcap
         ctx.mark_non_differentiable(row_loss, row_argmax)
         return (row_loss * row_weights).sum(), row_loss, row_argmax
 
@@ -136,20 +204,17 @@ class _RecomputingLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = (h @ weight.t()).float()  # (c, V)
-            target = targets[start:end]
-            valid = target != ctx.ignore_index
-            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-            grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
-            grad_logits.scatter_add_(1, safe_target, -torch.ones_like(safe_target, dtype=grad_logits.dtype))
-            grad_logits.mul_(scale[start:end].unsqueeze(1))
+            _, _, grad_logits = _score_chunk(
+                h, weight, targets[start:end], scale[start:end], ctx.ignore_index, ctx.logit_scale, ctx.softcap, True,
+                with_rows=False,
+            )
             if needs_hidden_grad:
                 grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
             if needs_weight_grad:
                 grad_weight.addmm_(grad_logits.t(), h.float())
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy_torch(
@@ -161,8 +226,11 @@ def linear_cross_entropy_torch(
     chunk_size: Optional[int] = None,
     recompute: bool = False,
     overwrite_hidden: bool = False,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> LinearCrossEntropyOutput:
-    """Weighted cross-entropy of ``hidden @ weight.T`` against ``targets`` without materialising all logits.
+    """Weighted cross-entropy of ``scale_and_cap(hidden @ weight.T)`` against ``targets`` without materialising all
+    logits.
 
     Args:
         hidden: (N, H) final hidden states (after the final norm) of every scored row, any depth.
@@ -174,6 +242,10 @@ def linear_cross_entropy_torch(
             (for use inside activation checkpointing, where the forward runs twice).
         overwrite_hidden: ``hidden`` is a private scratch copy (e.g. a concatenation) that nobody reads afterwards;
             its rows are overwritten by their gradients to save one (N, H) buffer.
+        logit_scale: multiplies the head's outputs (Cohere's ``logit_scale``; 1 = none).
+        softcap: then ``softcap · tanh(logits / softcap)`` (Gemma-2's ``final_logit_softcapping``; ``None`` = none).
+
+    ``row_loss`` and ``row_argmax`` are those of the scaled and capped logits.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -181,14 +253,16 @@ def linear_cross_entropy_torch(
         )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
+    check_logit_transform(logit_scale, softcap)
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index)
+    logit_scale, softcap = float(logit_scale), (None if softcap is None else float(softcap))
     if recompute:
         loss, row_loss, row_argmax = _RecomputingLinearCrossEntropy.apply(
-            hidden, weight, targets, weights, ignore_index, chunk_size
+            hidden, weight, targets, weights, ignore_index, chunk_size, logit_scale, softcap
         )
     else:
         loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
-            hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden
+            hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap
         )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)
