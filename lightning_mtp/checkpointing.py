@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 CHECKPOINT_KEY = "mtp"
+TOKENIZER_KEY = "tokenizer"
+"""``checkpoint["tokenizer"]``: the tokenizer the weights were trained with (``Tokenizer.spec()``) and the data
+settings it was built from; ``lightning-mtp`` decodes and evaluates with it and refuses data that asks for another."""
 FORMAT_VERSION = 1
 MTP_PREFIXES = ("mtp_modules.", "mtp_output_heads.", "mtp_embedding.")
 
@@ -108,29 +112,96 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     return report
 
 
-def restore_runtime_state(module: Any, checkpoint: dict) -> None:
-    """Restore λ, per-depth weights, active depth and draft temperatures where the depths agree."""
+def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) -> None:
+    """Restore the draft temperatures (a calibration of these weights) and, with ``schedule``, λ, the per-depth
+    weights and the active depth, where the depths agree.
+
+    Only a resumed fit restores the schedule: a new fit (``init_from``, weights loaded into a new config) starts
+    from its own config, or its deeper depths might never train.
+    """
     meta = checkpoint.get(CHECKPOINT_KEY)
     if not meta or meta.get("depth") != module.mtp_config.depth:
         return
-    module.mtp_loss_weight = meta.get("loss_weight", module.mtp_loss_weight)
-    module.mtp_depth_weights = list(meta.get("depth_weights", module.mtp_depth_weights))
-    module.mtp_active_depth = meta.get("active_depth", module.mtp_active_depth)
     module.mtp_draft_temperatures = list(meta.get("draft_temperatures", module.mtp_draft_temperatures))
+    if schedule:
+        module.mtp_loss_weight = meta.get("loss_weight", module.mtp_loss_weight)
+        module.mtp_depth_weights = list(meta.get("depth_weights", module.mtp_depth_weights))
+        module.mtp_active_depth = meta.get("active_depth", module.mtp_active_depth)
 
 
-def load_weights(module: Any, path: str) -> LoadReport:
-    """Load a checkpoint's weights (not its optimizer or loop state) into ``module`` with a report.
+def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
+    """``torch.load(path, weights_only=True)`` with errors that name the path and the flag it came from.
 
-    Uses ``torch.load(weights_only=True)``: lightning-mtp checkpoints hold plain types only.
+    A DeepSpeed checkpoint directory reads as its rank-0 module-states file (hyperparameters, MTP metadata,
+    tokenizer; the sharded weights stay where they are).
+
+    Raises:
+        ValueError: the file is missing, empty, truncated, not a checkpoint, or holds pickled objects (lightning-mtp
+            writes plain types only and never unpickles arbitrary objects).
     """
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    file = Path(path)
+    if file.is_dir():  # a DeepSpeed checkpoint: its metadata sits beside rank 0's module states
+        tag_file = file / "latest"
+        tag = tag_file.read_text().strip() if tag_file.is_file() else "checkpoint"
+        file = file / tag / "mp_rank_00_model_states.pt"
+        if not file.is_file():
+            raise ValueError(f"{flag} {str(path)!r} is a directory but not a DeepSpeed checkpoint (no {file.name} "
+                             f"under {tag}/): give a checkpoint file or a directory written by a DeepSpeed fit")
+    if not file.is_file():
+        raise ValueError(f"{flag} {str(path)!r} does not exist")
+    if file.stat().st_size == 0:
+        raise ValueError(f"{flag} {str(path)!r} is an empty file, not a checkpoint (was its writing interrupted?)")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - every failure is reported the same way, without torch's advice
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights only load failed" in first_line.lower() or "weights_only" in first_line:
+            reason = "it holds pickled Python objects, which lightning-mtp does not load (checkpoints it writes hold "
+            reason += "tensors and plain types only)"
+        else:
+            reason = f"it is truncated or not a PyTorch checkpoint ({type(error).__name__}: {first_line[:160]})"
+        raise ValueError(f"{flag} {str(path)!r} cannot be read: {reason}") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{flag} {str(path)!r} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
+                         "not a dict with a state_dict")
+    return checkpoint
+
+
+def tokenizer_mismatch(trained: Optional[dict], used: Optional[dict]) -> Optional[str]:
+    """Why the tokenizer ``used`` by the data is not the one the weights were ``trained`` with (``None``: same, or
+    one of them unknown). Both are ``Tokenizer.spec()`` records."""
+    if not trained or not used or trained.get("fingerprint") == used.get("fingerprint"):
+        return None
+    settings = trained.get("data") or {}
+    how = f"--data.tokenizer {trained.get('kind')}"
+    if trained.get("kind") == "bpe":
+        how += f" --data.vocab_size {settings.get('vocab_size', trained.get('vocab_size'))} trained on the same corpus"
+    return (
+        f"the weights were trained with the tokenizer {trained.get('name')} ({trained.get('vocab_size')} ids), but "
+        f"the data uses {used.get('name')} ({used.get('vocab_size')} ids"
+        + (", the same size but other merges" if used.get("name") == trained.get("name") else "")
+        + "): the ids would mean other text. Leave --data.tokenizer / --data.vocab_size / --data.max_bytes unset "
+        f"so that lightning-mtp uses the checkpoint's tokenizer, or give {how}"
+    )
+
+
+def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_from") -> LoadReport:
+    """Load a checkpoint's weights (not its optimizer, loop or schedule state) into ``module`` with a report.
+
+    Uses ``torch.load(weights_only=True)``: lightning-mtp checkpoints hold plain types only. The checkpoint's
+    tokenizer record (if any) is kept on the module (``mtp_tokenizer``), so that data with another tokenizer is
+    refused.
+    """
+    checkpoint = read_checkpoint(path, flag)
     if "state_dict" not in checkpoint:
         checkpoint = {"state_dict": checkpoint}
     report = reconcile_state_dict(module, checkpoint, resuming=False)
     missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
     missing = [k for k in missing if not _is_mtp_key(k)]
     if missing or unexpected:
-        raise ValueError(f"{path} does not fit {type(module).__name__}: missing {missing}, unexpected {unexpected}")
-    restore_runtime_state(module, checkpoint)
+        raise ValueError(f"{flag} {path} does not fit {type(module).__name__}: missing {missing}, "
+                         f"unexpected {unexpected}")
+    restore_runtime_state(module, checkpoint, schedule=False)
+    if checkpoint.get(TOKENIZER_KEY):
+        module.bind_mtp_tokenizer(checkpoint[TOKENIZER_KEY], f"{flag} {path}")
     return report

@@ -4,55 +4,167 @@ Example::
 
     lightning-mtp fit --config configs/quickstart.yaml
     lightning-mtp fit --config configs/mtp.yaml --model.init_args.mtp.depth 2
+    lightning-mtp predict --config configs/predict.yaml --ckpt_path outputs/quickstart/checkpoints/last.ckpt
+
+With a checkpoint (``--ckpt_path``, or ``--model.init_args.init_from`` for a new fit) the model's architecture and
+the tokenizer come from it; a setting given in a config file or as a flag that contradicts the checkpoint is refused
+(:mod:`lightning_mtp.cli_checkpoint`). ``predict``/``validate``/``test`` without weights to load are refused unless
+``--random_weights true`` asks for them. Bad input ends with one ``lightning-mtp: error: ...`` line and exit status 2
+(``LIGHTNING_MTP_TRACEBACK=1`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Optional
+import sys
+from typing import Any, Optional
 
 import lightning as L
-import torch
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_mtp import cli_checkpoint as ckpt_rules
+from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint
+from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
+
+EVALUATING = ("predict", "validate", "test")
+WEIGHT_SOURCES = ("init_from", "pretrained", "mtp_heads")
+"""Model init arguments that load weights (besides ``--ckpt_path``)."""
 
 
 class MTPLightningCLI(LightningCLI):
     """LightningCLI whose model and data are chosen by ``class_path`` in the config (any MTP host, any data)."""
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--random_weights", type=bool, default=False,
+            help="predict/validate/test with freshly initialised weights when no --ckpt_path (or init_from, "
+                 "pretrained, mtp_heads) is given; without it such a run is refused (fit ignores this flag)",
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self._raw_args = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(
+            args, dict) else []
+        super().parse_arguments(parser, args)
+
+    # ----------------------------------------------------------------- checkpoint settings
     def _parse_ckpt_path(self) -> None:
-        """Model hyperparameters from ``--ckpt_path`` override the config, except ``generation`` (decoding settings
-        belong to the predict config). lightning-mtp hosts save plain init args (no ``_class_path``), read here with
-        ``torch.load(weights_only=True)``."""
+        """Take the model's architecture and the tokenizer from the checkpoint; refuse given settings that differ."""
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not ckpt_path or not Path(ckpt_path).is_file():
+        if not subcommand:
             return
-        hparams = dict(torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {}))
-        hparams.pop("_instantiator", None)
-        hparams.pop("generation", None)
-        hparams.pop("init_from", None)
-        if not hparams:
+        section = self.config[subcommand]
+        current = ckpt_rules.flatten(section.as_dict())
+        given = ckpt_rules.given_keys(self._raw_args, ckpt_rules.config_files(self._raw_args))
+        ckpt_path = section.get("ckpt_path")
+        init_from = current.get("model.init_from")
+        self._tokenizer_record: Optional[dict] = None
+        if ckpt_path:
+            checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
+            self._apply_checkpoint(subcommand, checkpoint, current, given, resuming=subcommand == "fit")
+        elif init_from and subcommand == "fit":
+            checkpoint = read_checkpoint(init_from, "--model.init_args.init_from")
+            self._take_tokenizer(subcommand, checkpoint, current, given, "the --model.init_args.init_from checkpoint",
+                                 defaults=())
+        elif subcommand in EVALUATING and not section.get("random_weights"):
+            sources = [key for key in WEIGHT_SOURCES if current.get(f"model.{key}")]
+            if not sources:
+                raise ValueError(
+                    f"{subcommand} needs trained weights: give --ckpt_path PATH (a checkpoint written by "
+                    f"lightning-mtp fit), or --random_weights true to {subcommand} with freshly initialised weights "
+                    "(e.g. to try the pipeline)"
+                )
+
+    def _apply_checkpoint(self, subcommand: str, checkpoint: dict, current: dict, given: set, resuming: bool) -> None:
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        saved = ckpt_rules.model_settings(hparams)
+        found = ckpt_rules.conflicts(saved, current, given)
+        if found:
+            advice = (
+                "A resumed fit keeps the checkpoint's model: drop the flag (or fix the config) to resume, or start a "
+                "new fit from its weights with --model.init_args.init_from PATH instead of --ckpt_path" if resuming
+                else f"{subcommand} runs the checkpoint's model: drop the flag (or remove the setting from the config)"
+            )
+            raise ValueError(ckpt_rules.describe_conflicts(found, "the checkpoint", advice))
+        plain = {k: v for k, v in hparams.items() if k not in ckpt_rules.MODEL_KEYS_NOT_FROM_CHECKPOINT}
+        if plain:
+            class_path = hparams.get("_class_path") or self.config[subcommand].model.class_path
+            update = {subcommand: {"model": {"class_path": class_path, "init_args": plain}}}
+            self.config = self.parser.parse_object(update, self.config)
+        defaults = ckpt_rules.RESUME_DATA_SETTINGS if resuming else ckpt_rules.EVAL_DATA_SETTINGS
+        self._take_tokenizer(subcommand, checkpoint, current, given, "the checkpoint", defaults, strict=resuming)
+
+    def _take_tokenizer(self, subcommand: str, checkpoint: dict, current: dict, given: set, source: str,
+                        defaults: tuple, strict: bool = False) -> None:
+        """Use the checkpoint's tokenizer; its data settings fill ``defaults`` that were not given."""
+        record = checkpoint.get(TOKENIZER_KEY)
+        if not record:
+            rank_zero_warn(f"{source} does not record its tokenizer (written before lightning-mtp stored it, or "
+                           "trained without a TextDataModule): make sure --data uses the tokenizer it was trained with")
             return
-        class_path = hparams.pop("_class_path", None) or self.config[subcommand].model.class_path
-        update = {subcommand: {"model": {"class_path": class_path, "init_args": hparams}}}
-        self.config = self.parser.parse_object(update, self.config)
+        data_class = current.get("data.class_path")
+        if data_class is not None and _qualified(data_class) != record.get("datamodule"):
+            return  # another datamodule: the model still refuses a tokenizer it was not trained with (setup)
+        names = ckpt_rules.TOKENIZER_SETTINGS if record.get("kind") == "bpe" else ("tokenizer",)
+        found = ckpt_rules.conflicts(ckpt_rules.data_settings(record, names), current, given)
+        if strict:
+            found += ckpt_rules.conflicts(ckpt_rules.data_settings(record, defaults), current, given)
+        if found:
+            advice = (f"The weights were trained with the tokenizer {record.get('name')}; lightning-mtp uses it when "
+                      "--data.init_args.tokenizer and --data.init_args.vocab_size are left unset")
+            if strict:
+                advice += "; a resumed fit also keeps the data it was trained on"
+            raise ValueError(ckpt_rules.describe_conflicts(found, source, advice))
+        taken = ckpt_rules.data_settings(record, ckpt_rules.TOKENIZER_SETTINGS + tuple(defaults))
+        init_args = {key.split(".", 1)[1]: value for key, value in taken.items()
+                     if not ckpt_rules.is_given(key, given)}
+        if init_args:
+            update = {subcommand: {"data": {"class_path": data_class or record["datamodule"], "init_args": init_args}}}
+            self.config = self.parser.parse_object(update, self.config)
+        self._tokenizer_record = record
 
     def before_instantiate_classes(self) -> None:
         # Quiet the one-line tokenizers fork warning that would otherwise repeat per dataloader worker.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        record = getattr(self, "_tokenizer_record", None)
+        if record is not None and hasattr(self.datamodule, "use_tokenizer"):
+            from lightning_mtp.data.tokenizers import tokenizer_from_spec
+
+            self.datamodule.use_tokenizer(tokenizer_from_spec(record))
+
+
+def _qualified(class_path: str) -> str:
+    """``lightning_mtp.data.TextDataModule`` -> ``lightning_mtp.data.datamodule.TextDataModule`` (its definition)."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return class_path
+    return f"{cls.__module__}.{cls.__qualname__}"
+
 
 def main(args: Optional[list[str]] = None) -> None:
-    MTPLightningCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    try:
+        MTPLightningCLI(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            auto_configure_optimizers=False,
+            parser_class=ShortErrorParser,
+        )
+    except Exception as error:
+        message = user_error(error)
+        if message is None or os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+            raise
+        fail(message)
 
 
 if __name__ == "__main__":  # pragma: no cover

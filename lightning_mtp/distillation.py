@@ -7,9 +7,10 @@ when it matches the data. The term
 
 (β = ``module.mtp_distill_weight``, k over the active depths, M_k the positions whose target t(i+k+1) is scored)
 pulls depth k toward the main model's distribution (Medusa-2 trains its heads with self-distillation too). The
-teacher runs under ``no_grad``: neither the trunk nor the head learns from it. Rows are processed in chunks with
-activation recomputation, so at most one chunk of [rows × vocab] logits is alive at a time, and logits come from
-calling the head modules (DeepSpeed ZeRO-3 gathers their weights in the call).
+teacher runs under ``no_grad``: neither the trunk nor the head learns from it. Under ``MTPConfig.detach_trunk`` the
+student side does not move a head shared with the trunk either (:func:`~lightning_mtp.callbacks._base.loss_head`).
+Rows are processed in chunks with activation recomputation, so at most one chunk of [rows × vocab] logits is alive
+at a time, and logits come from calling the head modules (DeepSpeed ZeRO-3 gathers their weights in the call).
 
 It is registered as the MTP loss term ``"distill"`` (logged as ``train/mtp/distill``) by ``MTPMixin`` when
 ``MTPConfig.distill_weight > 0`` (``--model.mtp.distill_weight``).
@@ -32,11 +33,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mtp.callbacks._base import chunk_rows, depth_head, row_chunks
+from lightning_mtp.callbacks._base import chunk_rows, depth_head, head_logits, loss_head, row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin
 
 
@@ -71,7 +71,9 @@ def depth_kl_sum(
     hidden = student.shape[-1]
     student_rows, teacher_rows = student.reshape(-1, hidden), teacher.reshape(-1, hidden)  # (B*L, H)
     weights = mask.reshape(-1).float()  # (B*L,)
-    teacher_head, student_head = _heads(module, depth)
+    # The teacher runs under no_grad; both read logits as the host forms them (scaling, soft-capping).
+    teacher_head = head_logits(module, depth_head(module, 0))
+    student_head = head_logits(module, loss_head(module, depth))
     total = student_rows.new_zeros((), dtype=torch.float32)
     for part in row_chunks(student_rows.shape[0], chunk_rows(module, student_rows.shape[0], chunk_size)):
         args = (teacher_head, student_head, teacher_rows[part], student_rows[part], weights[part])
@@ -81,16 +83,6 @@ def depth_kl_sum(
         else:
             total = total + _chunk_kl(*args)
     return total, mask.sum()
-
-
-def _heads(module: MTPMixin, depth: int) -> tuple[Callable, Callable]:
-    teacher, student = depth_head(module, 0), depth_head(module, depth)
-    if module.mtp_config.detach_trunk and student is teacher:
-        # detach_trunk: the MTP losses must not move the shared head (as in MTPMixin._finish). This reads the weight,
-        # which DeepSpeed ZeRO-3 does not allow; detach_trunk with a shared head is a single-device retrofit setting.
-        frozen = teacher.weight.detach()
-        return teacher, lambda x: F.linear(x, frozen)
-    return teacher, student
 
 
 def _chunk_kl(

@@ -52,6 +52,7 @@ from lightning_mtp.loss import (
     DepthLosses,
     DepthLossPart,
     DepthLossSpec,
+    LogitTransform,
     combine_parts,
     depth_targets,
     run_depth,
@@ -106,6 +107,7 @@ class MTPMixin:
         self.mtp_modules: Optional[nn.ModuleList] = None
         self.mtp_output_heads: Optional[nn.ModuleList] = None
         self.mtp_load_report: Optional[checkpointing.LoadReport] = None
+        self.mtp_tokenizer: Optional[dict] = None  # Tokenizer.spec() of the tokenizer the weights were trained with
         self.mtp_distill_weight: float = self.mtp_config.distill_weight
         if self.mtp_config.distill_weight > 0:
             from lightning_mtp.distillation import self_distillation_term
@@ -143,6 +145,14 @@ class MTPMixin:
     def mtp_vocab_size(self) -> int:
         return self.mtp_output_head().out_features
 
+    def mtp_logit_transform(self) -> LogitTransform:
+        """What the host's forward does to its head's outputs (logit scaling, soft-capping); default: nothing.
+
+        Every depth's logits get it: in the loss, in :meth:`mtp_depth_logits` (drafting), and wherever logits are
+        formed by calling a head (``transform(mtp_depth_head(k)(normed))``). Hosts like Gemma-2 or Cohere override it.
+        """
+        return LogitTransform()
+
     def mtp_decoding_host(self):
         """A :class:`lightning_mtp.decoding.DecodingHost` for :meth:`generate`; ``None`` uses the CausalLM adapter.
 
@@ -156,7 +166,7 @@ class MTPMixin:
         super().configure_model()
         if self.mtp_modules is not None:
             return
-        spec = self.mtp_block_spec()
+        spec = check_block_spec(self.mtp_block_spec(), type(self).__name__)
         cfg = self.mtp_config
         self.mtp_modules = build_mtp_modules(
             cfg.architecture, cfg.depth, spec["dim"], spec["n_heads"], spec["n_kv_heads"], spec["mlp_hidden"],
@@ -214,8 +224,8 @@ class MTPMixin:
         return self.mtp_output_heads[depth - 1]
 
     def mtp_depth_logits(self, depth: int, hidden: Tensor) -> Tensor:
-        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V)."""
-        return self.mtp_depth_head(depth)(self.mtp_modules[depth - 1].norm(hidden))
+        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V), transformed as the host's."""
+        return self.mtp_logit_transform()(self.mtp_depth_head(depth)(self.mtp_modules[depth - 1].norm(hidden)))
 
     def mtp_forward(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
         """Run every active depth on teacher-forced tokens; returns per-depth normed hidden states.
@@ -232,7 +242,7 @@ class MTPMixin:
         if not (self._mtp_loss_terms and torch.is_grad_enabled()):
             # Nothing reads the normed states after scoring: let the scorer free them as soon as they are copied.
             fwd.main_hidden, fwd.depth_hidden = None, []
-        parts = score_jointly(([main] if main is not None else []) + specs, hidden)
+        parts = score_jointly(([main] if main is not None else []) + specs, hidden, self.mtp_logit_transform())
         main_part = parts.pop(0) if main is not None else None
         return self._finish(fwd, parts, main_part)
 
@@ -244,6 +254,7 @@ class MTPMixin:
         modules = self._require_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
+        self._check_trunk_hidden(hidden, input_ids)
         if T < cfg.depth + 2:
             raise ValueError(
                 f"sequence length {T} is shorter than MTPConfig.depth + 2 = {cfg.depth + 2}: depth {cfg.depth} "
@@ -279,7 +290,23 @@ class MTPMixin:
             depth_hidden.append(normed)
             specs.append(loss_spec)
             previous = out
-        return MTPForward(input_ids, labels, hidden, depth_hidden), specs
+        # Under detach_trunk, loss terms (callbacks) read the detached trunk state: no MTP-side gradient reaches it.
+        return MTPForward(input_ids, labels, trunk, depth_hidden), specs
+
+    def _check_trunk_hidden(self, hidden: Tensor, input_ids: Tensor) -> None:
+        norm = getattr(self.mtp_modules[0], "norm", None)
+        weight = getattr(norm, "weight", None)
+        width = int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else None  # ZeRO-3: ds_shape
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(input_ids.shape) or (
+            width is not None and hidden.shape[-1] != width
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.mtp_trunk_hidden_states(input_ids) (or the hidden states given to "
+                f"compute_mtp_loss) must be (batch, tokens, hidden) = ({input_ids.shape[0]}, {input_ids.shape[1]}, "
+                f"{width if width is not None else 'H'}) for input_ids of shape {tuple(input_ids.shape)}, got "
+                f"{tuple(hidden.shape)}: return the trunk's last hidden state, one vector per token, before the final "
+                "norm (not logits, not a pooled or flattened state)"
+            )
 
     def _finish(self, fwd: MTPForward, parts: list[DepthLossPart], main: Optional[DepthLossPart]) -> MTPLossOutput:
         cfg = self.mtp_config
@@ -293,6 +320,9 @@ class MTPMixin:
         total = losses.loss
         extra = {}
         if torch.is_grad_enabled():
+            if cfg.detach_trunk and fwd.main_hidden is not None:
+                # The main loss was scored from it with gradient; the MTP-side terms read it detached.
+                fwd = dataclasses.replace(fwd, main_hidden=fwd.main_hidden.detach())
             for name, term in self._mtp_loss_terms.items():
                 extra[name] = term(self, fwd)
                 total = total + extra[name]
@@ -405,6 +435,47 @@ class MTPMixin:
                 f"--data.seq_len={seq_len} is shorter than --model.mtp.depth + 2 = {self.mtp_config.depth + 2}: "
                 "the deepest MTP depth would have no target"
             )
+        context = self.mtp_max_sequence_length()
+        if seq_len is not None and context is not None and stage in ("fit", "validate", "test") and seq_len > context:
+            raise ValueError(
+                f"--data.seq_len={seq_len} is longer than the model's context of {context} tokens "
+                f"({self.mtp_context_flag()}): lower --data.seq_len or raise the model's context"
+            )
+        record = datamodule.tokenizer_record() if hasattr(datamodule, "tokenizer_record") else None
+        if record is not None:
+            if self.mtp_tokenizer is None and stage == "fit":
+                self.mtp_tokenizer = record  # a new fit binds the weights to the data's tokenizer
+            else:
+                self._refuse_other_tokenizer(record, "the model's weights")
+
+    def mtp_max_sequence_length(self) -> Optional[int]:
+        """Longest training sequence the host supports (``None``: unknown); ``--data.seq_len`` is checked against it
+        before training starts."""
+        return None
+
+    def mtp_context_flag(self) -> str:
+        """The flag or field that sets :meth:`mtp_max_sequence_length`, for error messages."""
+        return f"{type(self).__name__}.mtp_max_sequence_length()"
+
+    def bind_mtp_tokenizer(self, record: dict, source: str = "the checkpoint") -> None:
+        """Record the tokenizer these weights were trained with (``Tokenizer.spec()`` plus data settings, as
+        ``checkpoint["tokenizer"]`` holds it); data with another tokenizer is refused from then on.
+
+        Example::
+
+            from lightning_mtp.data import tokenizer_from_spec
+            model = CausalLM.load_from_checkpoint("last.ckpt", weights_only=True)
+            tokenizer = tokenizer_from_spec(model.mtp_tokenizer)   # decode generate()'s ids with it
+        """
+        self.mtp_tokenizer = record
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "tokenizer_record"):
+            self._refuse_other_tokenizer(datamodule.tokenizer_record(), source)
+
+    def _refuse_other_tokenizer(self, data_record: dict, source: str) -> None:
+        reason = checkpointing.tokenizer_mismatch(self.mtp_tokenizer, data_record)
+        if reason is not None:
+            raise ValueError(f"{source}: {reason}")
 
     def mtp_vocab_size_hint(self) -> Optional[int]:
         """The model's vocabulary size before ``configure_model`` may have run; ``None`` when unknown."""
@@ -420,13 +491,36 @@ class MTPMixin:
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
+        if self.mtp_tokenizer is not None:
+            checkpoint[checkpointing.TOKENIZER_KEY] = self.mtp_tokenizer
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         self._require_modules()
         fitting = self._trainer is not None and self.trainer.training
         self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
-        checkpointing.restore_runtime_state(self, checkpoint)
+        # Only a resumed fit continues the old schedule; loading for predict/validate or into a new fit does not.
+        checkpointing.restore_runtime_state(self, checkpoint, schedule=fitting)
+        if checkpoint.get(checkpointing.TOKENIZER_KEY):
+            self.bind_mtp_tokenizer(checkpoint[checkpointing.TOKENIZER_KEY], "the checkpoint")
+
+
+def check_block_spec(spec: dict, host: str) -> dict:
+    """Refuse an MTP block shape that cannot be built (``num_heads`` not dividing the width, odd RoPE head size)."""
+    dim, n_heads, n_kv = spec["dim"], spec["n_heads"], spec.get("n_kv_heads")
+    if dim % n_heads:
+        raise ValueError(
+            f"MTPConfig.num_heads (--model.init_args.mtp.num_heads) = {n_heads} does not divide the hidden size "
+            f"{dim} of {host}: pick a divisor of {dim}, or leave it unset to use the host's attention heads"
+        )
+    if (dim // n_heads) % 2:
+        raise ValueError(
+            f"MTPConfig.num_heads (--model.init_args.mtp.num_heads) = {n_heads} gives {host}'s MTP blocks a head size "
+            f"of {dim // n_heads}, which must be even for rotary position embeddings"
+        )
+    if n_kv is not None and n_heads % n_kv:
+        raise ValueError(f"{host}: the MTP blocks' {n_kv} key/value heads must divide their {n_heads} heads")
+    return spec
 
 
 def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:

@@ -7,8 +7,8 @@ bash scripts/setup_env.sh
 export TOKENIZERS_PARALLELISM=false
 .venv/bin/lightning-mtp fit --config configs/quickstart.yaml "$@"
 ckpt=outputs/quickstart/checkpoints/last.ckpt
+# No --data flags: the tokenizer and the held-out split come from the checkpoint.
 common=(--config configs/predict.yaml --ckpt_path "$ckpt"
-        --data.init_args.vocab_size 2048 --data.init_args.seq_len 128 --data.init_args.max_bytes 4000000
         --data.init_args.num_predict_prompts 8 --model.init_args.generation.max_new_tokens 64)
 .venv/bin/lightning-mtp predict "${common[@]}" --model.init_args.generation.speculative false \
   --trainer.callbacks.init_args.output_dir outputs/quickstart/predict_plain

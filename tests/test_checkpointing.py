@@ -91,3 +91,44 @@ def test_architecture_mismatch_with_other_shapes_fails_clearly(tmp_path):
     _, path = fit_and_save(tmp_path, depth=1)
     with pytest.raises(ValueError, match="another model width"):
         CausalLM.load_from_checkpoint(path, weights_only=True, model=ModelConfig(**{**MODEL, "dim": 64, "n_heads": 4}))
+
+
+def test_init_from_starts_from_its_own_schedule_not_the_old_runs(tmp_path):
+    """A checkpoint saved mid-warmup (λ 0.05, depth weights changed, active depth 1 of 2) starts a new fit with the new
+    config's λ, weights and every depth active, so depth 2 trains even without an MTPDepthWarmup callback."""
+    model, path = fit_and_save(tmp_path, depth=2)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["mtp"].update(loss_weight=0.05, depth_weights=[1.0, 0.25], active_depth=1, draft_temperatures=[0.8, 0.9])
+    torch.save(checkpoint, path)
+
+    fresh = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2, loss_weight=0.3))
+    fresh.configure_model()
+    load_weights(fresh, str(path))
+    assert (fresh.mtp_loss_weight, fresh.mtp_depth_weights, fresh.mtp_active_depth) == (0.3, [1.0, 1.0], 2)
+    assert fresh.mtp_draft_temperatures == [0.8, 0.9]  # a calibration of these weights, kept with them
+    out = fresh.compute_lm_loss(torch.randint(0, 61, (2, 12)))
+    assert out.depth_losses[1] > 0
+
+    # load_from_checkpoint (predict, or weights for a new fit) does not continue the old schedule either ...
+    loaded = CausalLM.load_from_checkpoint(path, weights_only=True)
+    assert (loaded.mtp_loss_weight, loaded.mtp_active_depth) == (0.3, 2)
+    # ... only a resumed fit does (tests/test_callbacks_resume.py checks the resumed run step by step).
+
+
+def test_unreadable_checkpoints_name_the_path_and_flag(tmp_path):
+    from lightning_mtp.checkpointing import read_checkpoint
+
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    _, good = fit_and_save(tmp_path, depth=1)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    cases = ((tmp_path / "missing.ckpt", "does not exist"), (empty, "empty file"), (truncated, "cannot be read"),
+             (text, "cannot be read"), (tmp_path, "not a DeepSpeed checkpoint"))
+    for path, why in cases:
+        with pytest.raises(ValueError, match=why) as info:
+            read_checkpoint(path, "--model.init_args.init_from")
+        assert "--model.init_args.init_from" in str(info.value) and str(path) in str(info.value)
+        assert "weights_only=False" not in str(info.value) and info.value.__cause__ is None

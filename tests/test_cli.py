@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,26 +32,38 @@ def _fit_args(tmp_path, *extra):
     ]
 
 
-def test_data_vocabulary_larger_than_model_fails_naming_both_flags(tmp_path, monkeypatch):
+def _refused(args, capsys) -> str:
+    """Run the CLI, expect the one-line refusal (exit status 2), return it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_data_vocabulary_larger_than_model_fails_naming_both_flags(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    with pytest.raises(ValueError, match=r"--data\.vocab_size.*--model\.vocab_size"):
-        main(_fit_args(tmp_path, "--data.init_args.tokenizer", "byte", "--model.init_args.model.vocab_size", "200"))
+    err = _refused(_fit_args(tmp_path, "--data.init_args.tokenizer", "byte", "--model.init_args.model.vocab_size",
+                             "200"), capsys)
+    assert re.search(r"--data\.vocab_size.*--model\.vocab_size", err)
 
 
-def test_sequence_shorter_than_depth_plus_two_fails_naming_flags(tmp_path, monkeypatch):
+def test_sequence_shorter_than_depth_plus_two_fails_naming_flags(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    with pytest.raises(ValueError, match=r"--data\.seq_len=3.*--model\.mtp\.depth"):
-        main(_fit_args(tmp_path, "--data.init_args.seq_len", "3", "--model.init_args.mtp.depth", "2"))
+    err = _refused(_fit_args(tmp_path, "--data.init_args.seq_len", "3", "--model.init_args.mtp.depth", "2"), capsys)
+    assert re.search(r"--data\.seq_len=3.*--model\.mtp\.depth", err)
 
 
-def test_missing_corpus_fails_before_training(tmp_path, monkeypatch):
+def test_missing_corpus_fails_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    with pytest.raises((ValueError, SystemExit)) as info:
-        main(_fit_args(tmp_path, "--data.init_args.corpus", str(tmp_path / "nope")))
-    assert "--data.corpus" in str(info.value) or isinstance(info.value, SystemExit)
+    err = _refused(_fit_args(tmp_path, "--data.init_args.corpus", str(tmp_path / "nope")), capsys)
+    assert "--data.corpus" in err
 
 
-def test_bad_depth_on_cli_fails(tmp_path, monkeypatch, capsys):
+def test_bad_depth_on_cli_fails_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    with pytest.raises((ValueError, SystemExit)):
-        main(_fit_args(tmp_path, "--model.init_args.mtp.depth", "0"))
+    err = _refused(_fit_args(tmp_path, "--model.init_args.mtp.depth", "0"), capsys)
+    last = err.strip().splitlines()[-1]
+    assert last == "lightning-mtp: error: MTPConfig.depth (--model.mtp.depth) must be >= 1, got 0"
+    assert len(err.strip().splitlines()) <= 3

@@ -307,3 +307,24 @@ def test_plain_and_speculative_share_the_sampling_path():
     finally:
         step.verify_drafts = original
     assert torch.equal(seen["p"], logits_to_probs(logits, 0.7, 5, 0.8))
+
+
+def test_generate_honours_its_seed(make_tiny_model):
+    """``generate(seed=...)``: the same seed gives the same samples, plain and speculative; another seed others."""
+    model = make_tiny_model(depth=2)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(3))
+
+    calls = iter(range(1000, 2000))
+
+    def run(seed, speculative=True):
+        torch.manual_seed(next(calls))  # a different global RNG state each call: it must not matter
+        out = model.generate(prompt, 24, temperature=1.0, speculative=speculative, seed=seed)
+        return out.new_tokens.tolist()
+
+    for speculative in (True, False):
+        assert run(5, speculative) == run(5, speculative)
+        assert run(5, speculative) != run(6, speculative)
+    with pytest.raises(ValueError, match="either seed or generator"):
+        model.generate(prompt, 4, temperature=1.0, seed=1, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="seed"):
+        model.generate(prompt, 4, temperature=1.0, seed=-1)

@@ -47,7 +47,9 @@ def test_fit_checkpoint_speculative_predict_and_tensorboard(tmp_path, monkeypatc
     outputs = {}
     for speculative in ("false", "true"):
         out = tmp_path / f"predict_{speculative}"
-        main(["predict", "--config", "configs/predict.yaml", "--ckpt_path", str(ckpt), *data,
+        # No tokenizer or data flags: the checkpoint carries its tokenizer and its training data settings.
+        main(["predict", "--config", "configs/predict.yaml", "--ckpt_path", str(ckpt),
+              "--data.init_args.cache_dir", str(tmp_path / "cache"),
               "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
               "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks.init_args.output_dir", str(out),
               "--data.init_args.num_predict_prompts", "3", "--data.init_args.prompt_tokens", "8",

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers", reason="HFCausalLM needs the optional transformers dependency")
@@ -16,6 +17,7 @@ from lightning_mtp.decoding import GenerationConfig, decoding_host  # noqa: E402
 from lightning_mtp.decoding.drafting import Drafts  # noqa: E402
 from lightning_mtp.decoding.hf_host import HFCacheHost  # noqa: E402
 from lightning_mtp.decoding.speculative import decode, prepare_prompts  # noqa: E402
+from lightning_mtp.kernels.linear_cross_entropy_torch import scale_and_cap  # noqa: E402
 from lightning_mtp.models import HFCausalLM  # noqa: E402
 
 VOCAB = 96
@@ -166,6 +168,101 @@ def test_cache_is_cropped_to_the_accepted_tokens_at_batch_1(models):
     assert state.cache.get_seq_length() == 3 and state.valid.shape == (1, 3)
 
 
+# ----------------------------------------------------------------------------------------------- logit transforms
+# Models whose forward scales or soft-caps lm_head's output. initializer_range=0.5 makes the logits large enough that
+# the transform moves the loss by whole nats (a tiny model's logits are otherwise near 0, where it barely matters).
+LOGIT_BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.5,
+                  bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+LOGIT_CONFIGS = {  # model type: (config, what its forward does: (scale, softcap) on lm_head's output)
+    "cohere": (dict(logit_scale=0.25), (0.25, None)),  # logits * logit_scale
+    "gemma2": (dict(final_logit_softcapping=3.0, layer_types=["full_attention"] * 2), (1.0, 3.0)),  # 3 tanh(z / 3)
+    "granite": (dict(logits_scaling=4.0), (0.25, None)),  # logits / logits_scaling
+    "hyperclovax": (dict(logits_scaling=0.5), (0.5, None)),  # logits * logits_scaling (same name, other way round)
+}
+
+
+def transformed_model(model_type: str, depth: int = 2) -> HFCausalLM:
+    torch.manual_seed(0)
+    model = HFCausalLM(model_type, {**LOGIT_BASE, **LOGIT_CONFIGS[model_type][0]}, mtp=MTPConfig(depth=depth))
+    model.configure_model()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def transformed_models():
+    return {name: transformed_model(name) for name in LOGIT_CONFIGS}
+
+
+def logit_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, LOGIT_BASE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", list(LOGIT_CONFIGS))
+def test_main_loss_equals_the_models_own_loss_under_logit_transforms(transformed_models, model_type):
+    model = transformed_models[model_type]
+    ids = logit_ids()
+    with torch.no_grad():
+        ours = model.compute_lm_loss(ids).main_loss
+        reference = model.trunk(input_ids=ids, labels=ids).loss
+        raw = model.mtp_output_head()(model(ids)[:, :-1])  # (B, T-1, V) lm_head alone
+        untransformed = F.cross_entropy(raw.flatten(0, 1), ids[:, 1:].flatten())
+    assert abs(float(untransformed - reference)) > 0.2  # the transform matters on this model
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", list(LOGIT_CONFIGS))
+def test_main_loss_gradient_equals_autograd_through_the_models_loss(model_type):
+    model = transformed_model(model_type)
+    model.mtp_loss_weight = 0.0  # the MTP rows weigh 0: out.loss is the main loss alone
+    ids = logit_ids(1)
+    params = list(model.trunk.parameters())
+    ours = torch.autograd.grad(model.compute_lm_loss(ids).loss, params)
+    reference = torch.autograd.grad(model.trunk(input_ids=ids, labels=ids).loss, params)
+    head = next(i for i, p in enumerate(params) if p is model.mtp_output_head().weight)
+    assert float(ours[head].abs().max()) > 1e-3
+    for got, want in zip(ours, reference):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", list(LOGIT_CONFIGS))
+def test_decoding_and_draft_logits_are_transformed_like_the_models(transformed_models, model_type):
+    model = transformed_models[model_type]
+    scale, softcap = LOGIT_CONFIGS[model_type][1]
+    ids = logit_ids(2)
+    with torch.no_grad():
+        hidden = model(ids)  # (B, T, H)
+        reference = model.trunk(input_ids=ids).logits  # (B, T, V)
+        torch.testing.assert_close(decoding_host(model).main_logits(hidden), reference)
+        torch.testing.assert_close(model.logits(hidden), reference)
+        # Drafts: depth k's logits get the same transform as the shared head's.
+        state = torch.randn(2, 5, LOGIT_BASE["hidden_size"], generator=torch.Generator().manual_seed(3))
+        raw = model.mtp_output_head()(model.mtp_modules[0].norm(state))  # (2, 5, V)
+        torch.testing.assert_close(model.mtp_depth_logits(1, state), scale_and_cap(raw, scale, softcap))
+        assert not torch.allclose(model.mtp_depth_logits(1, state), raw, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "gemma2", "granite"])
+def test_speculative_greedy_is_lossless_under_logit_transforms(transformed_models, model_type):
+    model = transformed_models[model_type]
+    ids = torch.randint(4, LOGIT_BASE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
+    speculative = model.generate(ids, max_new_tokens=16, temperature=0.0, speculative=True)
+    plain = model.generate(ids, max_new_tokens=16, temperature=0.0, speculative=False)
+    assert our_tokens(speculative) == our_tokens(plain)
+    assert our_tokens(plain) == hf_generate(model, ids, new=16)
+
+
+def test_logit_transforms_we_cannot_reproduce_are_refused_naming_the_model():
+    # A class we hold no rule for, whose config sets a logit attribute: refused rather than trained on other logits.
+    with pytest.raises(TypeError, match="LlamaForCausalLM \\(model_type 'llama'\\) sets \\{'logit_scale': 0.5\\}"):
+        HFCausalLM("llama", dict(CONFIGS["llama"], logit_scale=0.5))
+    # Dory's lm_head is an nn.Linear subclass with a learned per-token logit scale in its forward.
+    with pytest.raises(TypeError, match="DoryForCausalLM's LM head is a DoryLMHead with its own forward"):
+        HFCausalLM("dory", dict(LOGIT_BASE))
+    with pytest.raises(TypeError, match="GraniteForCausalLM .*config.logits_scaling = 0"):
+        HFCausalLM("granite", dict(LOGIT_BASE, logits_scaling=0))
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 def test_model_without_the_accessors_names_its_class():
     class NotACausalLM(nn.Module):
@@ -280,3 +377,22 @@ def test_cli_fits_with_the_hf_llama_config(tmp_path):
           "--data.init_args.tokenizer", "byte", "--data.init_args.corpus", str(corpus),
           "--data.init_args.seq_len", "16", "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.3",
           "--data.init_args.cache_dir", str(tmp_path / "cache")])
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "gemma2"])
+def test_callbacks_read_logits_transformed_like_the_models(transformed_models, model_type):
+    """The coupling monitor / draft calibration (teacher-forced logits), distillation and diversity form their
+    probabilities as the host does: on a soft-capped or scaled model the main logits equal transformers' own."""
+    from lightning_mtp.callbacks._base import depth_head, head_logits
+    from lightning_mtp.callbacks._teacher_forcing import sequence_logits, teacher_forced_forward
+
+    model = transformed_models[model_type]
+    scale, softcap = LOGIT_CONFIGS[model_type][1]
+    ids = logit_ids(2)
+    with torch.no_grad():
+        fwd = teacher_forced_forward(model, ids)
+        _, main, depths = next(sequence_logits(model, fwd, chunk_size=10_000))
+        torch.testing.assert_close(main, model.trunk(input_ids=ids).logits[:, :-1].float())
+        raw = depth_head(model, 1)(fwd.depth_hidden[0]).float()
+        torch.testing.assert_close(depths[0], scale_and_cap(raw, scale, softcap))
+        torch.testing.assert_close(head_logits(model, depth_head(model, 1))(fwd.depth_hidden[0]), depths[0])

@@ -5,22 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_mtp.kernels import linear_cross_entropy_torch
+from lightning_mtp.loss import LogitTransform
+from lightning_mtp.zero import head_cross_entropy
 
 IGNORE = -100
 
 
-def naive_depth_logits(model, input_ids):
+def naive_depth_logits(model, input_ids, transform=None):
     """Per depth k (0..D) the (B, T, V) logits at every position, computed over the full sequence.
 
     Unlike the library (which slices each depth to the positions that have a target), this runs every module on
-    all T positions, feeding wrapped ("rolled", Megatron-style) embeddings past the end.
+    all T positions, feeding wrapped ("rolled", Megatron-style) embeddings past the end. ``transform`` (scale, cap)
+    is applied by hand to every depth's head output.
     """
+    def head(hidden):
+        logits = model.lm_head(hidden)
+        if transform is not None:
+            scale, cap = transform
+            logits = cap * torch.tanh(scale * logits / cap)
+        return logits
+
     cfg = model.mtp_config
     T = input_ids.shape[1]
     h0 = model(input_ids)
-    logits = [model.lm_head(model.norm(h0))]
+    logits = [head(model.norm(h0))]
     cos, sin = model.mtp_rope(T)
     previous = h0
     for k in range(1, cfg.depth + 1):
@@ -28,16 +39,16 @@ def naive_depth_logits(model, input_ids):
         emb = model.embed(torch.roll(input_ids, shifts=-k, dims=1))  # Emb(t(i+k)), wrapped past the end
         h_in = previous if cfg.architecture == "cascaded" else h0
         out = module(h_in, emb, cos, sin)
-        logits.append(model.lm_head(module.norm(out)))
+        logits.append(head(module.norm(out)))
         previous = out
     return logits
 
 
-def naive_loss(model, input_ids, labels):
+def naive_loss(model, input_ids, labels, transform=None):
     cfg = model.mtp_config
     T = input_ids.shape[1]
     per_depth = []
-    for k, logits in enumerate(naive_depth_logits(model, input_ids)):
+    for k, logits in enumerate(naive_depth_logits(model, input_ids, transform)):
         targets = torch.full_like(labels, IGNORE)
         targets[:, : T - k - 1] = labels[:, k + 1 :]
         rows = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
@@ -70,6 +81,63 @@ def test_loss_and_gradients_match_naive_reference(make_tiny_model, architecture,
     torch.testing.assert_close(out.depth_losses, torch.stack(ref_depths[1:]).detach(), atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_depth_is_scored_on_the_hosts_transformed_logits(make_tiny_model, recompute):
+    """A host that scales and soft-caps its logits (Gemma-2 / Cohere style): the main head and every MTP depth (which
+    share the head) are scored on cap · tanh(scale · z / cap), with gradients through the transform."""
+    model = make_tiny_model(depth=2, recompute=recompute)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits of several units, so that a cap of 2 bends them
+    model.mtp_logit_transform = lambda: LogitTransform(scale=1.5, softcap=2.0)
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, 61, (2, 10))
+    labels = input_ids.clone()
+    labels[1, 6:] = IGNORE
+
+    out = model.compute_lm_loss(input_ids, labels)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    ref_total, ref_depths = naive_loss(model, input_ids, labels, transform=(1.5, 2.0))
+    ref_grads = torch.autograd.grad(ref_total, list(model.parameters()))
+    untransformed = naive_loss(model, input_ids, labels)[0]
+    assert abs(float(untransformed.detach() - ref_total.detach())) > 0.5  # the transform matters here
+
+    torch.testing.assert_close(out.loss, ref_total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.main_loss, ref_depths[0].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.depth_losses, torch.stack(ref_depths[1:]).detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_zero3_head_path_applies_the_same_transform():
+    """``head_cross_entropy`` (DeepSpeed ZeRO-3: through the head module) scores the same transformed logits."""
+    torch.manual_seed(0)
+    head = nn.Linear(24, 257, bias=False)
+    hidden = torch.randn(37, 24, requires_grad=True)
+    targets = torch.randint(0, 257, (37,))
+    targets[[1, 2]] = IGNORE
+    row_weights = torch.rand(37)
+    out = head_cross_entropy(hidden, head, targets, row_weights, IGNORE, 8, logit_scale=2.0, softcap=1.5)
+    grads = torch.autograd.grad(out.loss, [hidden, head.weight])
+    fused = linear_cross_entropy_torch(hidden, head.weight, targets, row_weights, IGNORE, 8, logit_scale=2.0,
+                                       softcap=1.5)
+    fused_grads = torch.autograd.grad(fused.loss, [hidden, head.weight])
+    torch.testing.assert_close(out.loss, fused.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.row_loss, fused.row_loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.row_argmax, fused.row_argmax)
+    for got, want in zip(grads, fused_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_logit_transform_is_validated_and_identity_by_default():
+    assert LogitTransform().is_identity
+    logits = torch.tensor([-100.0, 0.5, 100.0])
+    torch.testing.assert_close(LogitTransform(scale=2.0, softcap=3.0)(logits), 3.0 * torch.tanh(2.0 * logits / 3.0))
+    with pytest.raises(ValueError, match="LogitTransform.softcap must be None or a finite number > 0, got -1.0"):
+        LogitTransform(softcap=-1.0)
+    with pytest.raises(ValueError, match="LogitTransform.scale must be a finite number, got nan"):
+        LogitTransform(scale=float("nan"))
 
 
 def test_depth_without_valid_target_gives_zero_not_nan(make_tiny_model):

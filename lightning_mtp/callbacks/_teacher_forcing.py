@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_mtp.callbacks._base import chunk_rows, depth_head, row_chunks
+from lightning_mtp.callbacks._base import chunk_rows, depth_head, head_logits, row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin, unpack_batch
 
 
@@ -45,10 +45,11 @@ def sequence_logits(
     """
     batch, length = fwd.input_ids.shape
     rows = chunk_rows(module, batch * length, chunk_size)
+    heads = [head_logits(module, depth_head(module, k)) for k in range(len(fwd.depth_hidden) + 1)]
     with torch.no_grad():
         for part in row_chunks(batch, max(1, rows // length)):
-            main = depth_head(module, 0)(fwd.main_hidden[part]).float()  # (b, T-1, V)
-            depths = [depth_head(module, k)(h[part]).float() for k, h in enumerate(fwd.depth_hidden, start=1)]
+            main = heads[0](fwd.main_hidden[part])  # (b, T-1, V)
+            depths = [heads[k](h[part]) for k, h in enumerate(fwd.depth_hidden, start=1)]  # (b, T-k-1, V) each
             yield part, main, depths
 
 

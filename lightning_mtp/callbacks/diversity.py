@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
@@ -14,7 +14,8 @@ from lightning_mtp.callbacks._base import (
     MTPCallback,
     check_int,
     chunk_rows,
-    depth_head,
+    head_logits,
+    loss_head,
     require_mtp_module,
     row_chunks,
 )
@@ -35,8 +36,11 @@ class MTPDiversityRegularizer(MTPCallback):
     where P holds the pairs (k, k+1) of active depths and M_k the positions whose two targets t(i+k+1) and t(i+k+2)
     are both scored and differ (with ``only_differing_targets=False``: all scored positions). Σ_v p_k p_{k+1} is the
     probability that independent draws from the two heads collide; it is 1 for two identical one-hot predictions and
-    1/V for two uniform ones. Gradients reach both heads. Probabilities are computed ``chunk_size`` rows at a time with
-    activation recomputation, through the head modules (never their weights, so it works under DeepSpeed ZeRO-3).
+    1/V for two uniform ones. Gradients reach both depths' modules and heads, except a head shared with the trunk under
+    ``MTPConfig.detach_trunk``, which (like the trunk and the embedding) gets none: see
+    :func:`~lightning_mtp.callbacks._base.loss_head`. Probabilities are computed ``chunk_size`` rows at a time with
+    activation recomputation, through the head modules (never their weights, so it works under DeepSpeed ZeRO-3; with
+    ``detach_trunk`` only separate heads, ``share_output_head=False``, can be used there).
 
     The term is registered in ``setup`` as an MTP loss term named ``name`` and is logged as ``train/mtp/<name>``
     (weighted, default ``train/mtp/diversity``); the unweighted collision of each pair as
@@ -143,7 +147,7 @@ def collision_sum(
     near_rows = near[:, :length].reshape(-1, hidden)  # (B*L, H)
     far_rows = far.reshape(-1, hidden)  # (B*L, H)
     weights = mask.reshape(-1).float()  # (B*L,)
-    heads = (depth_head(module, depth), depth_head(module, depth + 1))
+    heads = (head_logits(module, loss_head(module, depth)), head_logits(module, loss_head(module, depth + 1)))
     total = near_rows.new_zeros((), dtype=torch.float32)
     for part in row_chunks(near_rows.shape[0], chunk_rows(module, near_rows.shape[0], chunk_size)):
         args = (*heads, near_rows[part], far_rows[part], weights[part])
@@ -155,7 +159,10 @@ def collision_sum(
     return total, mask.sum()
 
 
-def _chunk_collision(near_head: nn.Module, far_head: nn.Module, near: Tensor, far: Tensor, weights: Tensor) -> Tensor:
+def _chunk_collision(
+    near_head: Callable[[Tensor], Tensor], far_head: Callable[[Tensor], Tensor], near: Tensor, far: Tensor,
+    weights: Tensor,
+) -> Tensor:
     p_near = torch.softmax(near_head(near).float(), dim=-1)  # (c, V)
     p_far = torch.softmax(far_head(far).float(), dim=-1)  # (c, V)
     return ((p_near * p_far).sum(-1) * weights).sum()

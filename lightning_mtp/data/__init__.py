@@ -19,7 +19,7 @@ from lightning_mtp.data.corpus import (
 from lightning_mtp.data.datamodule import TextDataModule, tokenize_documents
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
 from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
-from lightning_mtp.data.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
+from lightning_mtp.data.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, tokenizer_from_spec
 
 __all__ = [
     "BPETokenizer",
@@ -41,4 +41,5 @@ __all__ = [
     "split_files",
     "stdlib_root",
     "tokenize_documents",
+    "tokenizer_from_spec",
 ]

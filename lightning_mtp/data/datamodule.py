@@ -51,6 +51,10 @@ from lightning_mtp.data.tokenizers import (
     files_fingerprint,
 )
 
+DATA_SETTINGS = ("tokenizer", "vocab_size", "corpus", "max_bytes", "seed", "val_fraction", "suffixes", "seq_len",
+                 "batch_size")
+"""The init arguments that decide which tokens a fit saw; a checkpoint records them (``tokenizer_record``)."""
+
 _TOKENS_FORMAT_VERSION = 1
 """Bump when the token cache layout or the joining of files changes."""
 
@@ -192,6 +196,32 @@ class TextDataModule(L.LightningDataModule):
     def tokenizer(self) -> Tokenizer:
         """The tokenizer (built on demand, see ``load_tokenizer``)."""
         return self.load_tokenizer()
+
+    def use_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Use ``tokenizer`` instead of building one from ``--data.tokenizer`` / ``--data.vocab_size``: the one a
+        checkpoint was trained with (``lightning-mtp predict/validate/fit --ckpt_path`` do this for you).
+
+        Example::
+
+            >>> from lightning_mtp.data.tokenizers import ByteTokenizer
+            >>> dm = TextDataModule(tokenizer="bpe", vocab_size=512)
+            >>> dm.use_tokenizer(ByteTokenizer())
+            >>> dm.vocab_size
+            258
+        """
+        if self.train_dataset is not None or self._token_dir is not None:
+            raise RuntimeError("TextDataModule.use_tokenizer must be called before prepare_data/setup")
+        self._tokenizer = tokenizer
+        self.tokenizer_kind = tokenizer.kind
+
+    def tokenizer_record(self) -> dict:
+        """The tokenizer itself and the data settings it was built with, in plain types, for checkpoints."""
+        settings = {name: getattr(self.hparams, name, None) for name in DATA_SETTINGS}
+        settings["tokenizer"] = self.tokenizer_kind
+        if settings["suffixes"] is not None:
+            settings["suffixes"] = list(settings["suffixes"])
+        return {**self.load_tokenizer().spec(), "data": settings,
+                "datamodule": f"{type(self).__module__}.{type(self).__qualname__}"}
 
     @property
     def vocab_size(self) -> int:

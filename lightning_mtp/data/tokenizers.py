@@ -47,6 +47,8 @@ class Tokenizer(ABC):
 
     name: str
     """Short identifier, e.g. ``"byte"`` or ``"bpe-4096"``."""
+    kind: str
+    """What ``--data.tokenizer`` names it: ``"byte"`` or ``"bpe"``."""
 
     @property
     @abstractmethod
@@ -80,6 +82,20 @@ class Tokenizer(ABC):
         """Encode many texts at once (parallel where the implementation allows)."""
         return [self.encode(t) for t in texts]
 
+    def spec(self) -> dict:
+        """The tokenizer itself as plain types (``tokenizer_from_spec`` rebuilds it), so a checkpoint can carry it.
+
+        Example::
+
+            >>> tokenizer_from_spec(ByteTokenizer().spec()).fingerprint
+            'byte-v1'
+        """
+        return {"kind": self.kind, "name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "pad_id": self.pad_id, "fingerprint": self.fingerprint, **self._spec_payload()}
+
+    def _spec_payload(self) -> dict:
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
 
@@ -91,6 +107,7 @@ class ByteTokenizer(Tokenizer):
     """
 
     name = "byte"
+    kind = "byte"
 
     @property
     def vocab_size(self) -> int:
@@ -167,6 +184,8 @@ class BPETokenizer(Tokenizer):
         (512, 0, 1)
     """
 
+    kind = "bpe"
+
     def __init__(self, hf: HFTokenizer, name: Optional[str] = None) -> None:
         eos, pad = hf.token_to_id(EOS_TOKEN), hf.token_to_id(PAD_TOKEN)
         if eos is None or pad is None:
@@ -207,6 +226,9 @@ class BPETokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _spec_payload(self) -> dict:
+        return {"json": self._hf.to_str()}
 
     @staticmethod
     def check_vocab_size(vocab_size: int) -> None:
@@ -311,3 +333,23 @@ def build_tokenizer(
     if kind == "bpe":
         return BPETokenizer.train(files, vocab_size, cache_dir)
     raise ValueError(f"--data.tokenizer must be one of {TOKENIZER_KINDS}, got {kind!r}")
+
+
+def tokenizer_from_spec(spec: dict) -> Tokenizer:
+    """Rebuild the tokenizer that :meth:`Tokenizer.spec` described (e.g. the one a checkpoint was trained with).
+
+    Raises:
+        ValueError: when the spec is not one (unknown kind, or a BPE spec without its JSON), or the rebuilt tokenizer
+            does not map text to the same ids as the described one (its fingerprint differs).
+    """
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind == "byte":
+        tokenizer: Tokenizer = ByteTokenizer()
+    elif kind == "bpe" and isinstance(spec.get("json"), str):
+        tokenizer = BPETokenizer(HFTokenizer.from_str(spec["json"]))
+    else:
+        raise ValueError(f"not a tokenizer description (kind {kind!r}); expected one written by Tokenizer.spec()")
+    if spec.get("fingerprint") not in (None, tokenizer.fingerprint):
+        raise ValueError(f"the rebuilt {tokenizer.name} tokenizer does not match its description (fingerprint "
+                         f"{tokenizer.fingerprint[:12]} != {str(spec['fingerprint'])[:12]})")
+    return tokenizer

@@ -1,7 +1,6 @@
 """Typed settings of :func:`~lightning_mtp.decoding.generate`, ``predict_step`` and ``lightning-mtp predict``.
 
-Every field is also a keyword argument of ``generate`` (except ``seed``, which ``predict_step`` turns into a
-``torch.Generator``). Errors name the argument and the CLI flag.
+Every field is also a keyword argument of ``generate``. Errors name the argument and the CLI flag.
 
 Example::
 
@@ -72,7 +71,8 @@ class GenerationConfig:
     Faster tokens/s for plain and speculative decoding alike once compiled; the first calls of each shape compile
     (tens of seconds). Bundled ``CausalLM`` host only. Greedy output stays identical to plain greedy decoding."""
     seed: Optional[int] = None
-    """Seed of the sampling generator used by ``predict_step`` (sampling only; ``generate`` takes a generator)."""
+    """Seed of the sampling generator: the same seed gives the same samples (``generate`` also takes a
+    ``generator`` instead; ``predict_step`` continues one seeded stream across batches)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -100,6 +100,8 @@ class GenerationConfig:
             raise _fail("acceptance", "='typical' needs temperature > 0 (greedy decoding is already exact)")
         if not 0 < self.typical_epsilon <= 1:
             raise _fail("typical_epsilon", f"must be in (0, 1], got {self.typical_epsilon!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise _fail("seed", f"must be an integer >= 0 or None, got {self.seed!r}")
         if not self.typical_delta > 0:
             raise _fail("typical_delta", f"must be > 0, got {self.typical_delta!r}")
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mtp.loss import LogitTransform
+
 
 @dataclass
 class HFDecodeState:
@@ -79,22 +81,22 @@ class HFCacheHost:
     Args:
         model: the causal LM (``PreTrainedModel`` with ``base_model`` and ``get_output_embeddings()``).
         max_context: the longest prompt + generation; the caller leaves room for the D verify positions past it.
+        logit_transform: what the model's forward does to its head's output (Cohere's logit scale, Gemma-2's
+            soft-capping, ...), as ``HFCausalLM.mtp_logit_transform()`` gives it; the drafts get the same one
+            (``MTPMixin.mtp_depth_logits``).
 
     ``forward`` returns the base model's ``last_hidden_state`` (after the model's own final norm): the host's
     "pre-final-norm" state with an identity final norm, see :class:`lightning_mtp.models.HFCausalLM`.
     """
 
-    def __init__(self, model: nn.Module, max_context: int) -> None:
+    def __init__(self, model: nn.Module, max_context: int, logit_transform: LogitTransform) -> None:
         self.model = model
         self.trunk = model.base_model  # the decoder without the LM head (LlamaModel, GPT2Model, ...)
         self.head = model.get_output_embeddings()
         self.vocab_size = int(self.head.out_features)
         self.max_context = int(max_context)
         self._cache_arg = _cache_argument(self.trunk)
-        text_config = model.config.get_text_config()
-        # Gemma-2 style logit soft-capping and Cohere style logit scaling, applied as the model's own forward does.
-        self.softcap = getattr(text_config, "final_logit_softcapping", None)
-        self.logit_scale = getattr(text_config, "logit_scale", None)
+        self.logit_transform = logit_transform
 
     def allocate(self, batch_size: int, max_len: int) -> HFDecodeState:
         device = self.head.weight.device
@@ -110,12 +112,7 @@ class HFCacheHost:
         return out.last_hidden_state  # (B, T, H)
 
     def main_logits(self, hidden: Tensor) -> Tensor:
-        logits = self.head(hidden)  # (B, T, V)
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.logit_transform(self.head(hidden))  # (B, T, V)
 
     def rollback(self, state: HFDecodeState, lengths: Tensor) -> None:
         state.valid &= state.slot_positions < lengths.unsqueeze(1)  # (B, S)

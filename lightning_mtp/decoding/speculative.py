@@ -241,6 +241,7 @@ def generate(
         eos_token_id: a row stops after emitting it.
         attention_mask: (B, L) 1 on prompt tokens; rows may have different prompt lengths (left or right padding).
         generator: ``torch.Generator`` on the module's device for every random draw.
+        seed: sampling seed, the alternative to ``generator``: the same seed gives the same samples.
         **options: the other :class:`~lightning_mtp.decoding.GenerationConfig` fields (``draft_confidence_threshold``,
             ``adaptive_draft_tokens``, ``adaptive_min_reach``, ``acceptance``, ``typical_epsilon``,
             ``typical_delta``, ``compile``).
@@ -252,11 +253,14 @@ def generate(
     Greedy speculative output equals plain greedy output token for token; sampled output has exactly the plain
     sampling distribution (unless ``acceptance="typical"``, which is lossy).
     """
-    options.pop("seed", None)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, speculative=speculative,
         draft_tokens=draft_tokens, eos_token_id=eos_token_id, **options,
     )
+    if config.seed is not None:
+        if generator is not None:
+            raise ValueError("generate() takes either seed or generator, not both: the seed would be ignored")
+        generator = torch.Generator(device=module_device_dtype(module)[0]).manual_seed(config.seed)
     host = decoding_host(module)
     drafter = MTPDrafter(module) if speculative else None
     sync_ranks = needs_rank_sync(module)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
@@ -27,7 +28,7 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm, RotaryTable, mlp_hidden_size, visible_slots
-from lightning_mtp.mixin import MTPMixin
+from lightning_mtp.mixin import MTPMixin, check_block_spec
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 
@@ -103,7 +104,10 @@ class CausalLM(MTPMixin, L.LightningModule):
         check_optimizer_args(learning_rate, weight_decay, warmup_steps)
         self.model_config = model
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
+        if init_from is not None and not os.path.isfile(init_from):
+            raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
         self.init_from = init_from
+        check_block_spec(self.mtp_block_spec(), type(self).__name__)
         generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
         self.generation_config = generation or GenerationConfig()
         self.mtp_generate_kwargs = self.generation_config.to_kwargs()
@@ -178,6 +182,12 @@ class CausalLM(MTPMixin, L.LightningModule):
 
     def mtp_vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def mtp_max_sequence_length(self) -> int:
+        return self.model_config.max_seq_len
+
+    def mtp_context_flag(self) -> str:
+        return "--model.init_args.model.max_seq_len"
 
     # ----------------------------------------------------------------- trunk
     def forward(

@@ -12,6 +12,11 @@ that output as the trunk state h_0 and report ``mtp_final_norm()`` = identity, s
 what the head reads") holds for every architecture without locating the norm module or hooking into it. The MTP
 modules normalise h_0 again (DeepSeek-V3's ``hnorm``); an RMSNorm of an already-normalised state is harmless.
 
+What the model's forward does to ``lm_head``'s output (Cohere multiplies by ``logit_scale``, Granite divides by
+``logits_scaling``, Gemma-2 soft-caps with ``final_logit_softcapping``, ...) is read from :data:`LOGIT_TRANSFORMS`
+(:func:`logit_transform_of`) and applied to every depth's logits, in the fused loss and in decoding, so the main loss
+equals the model's own ``loss``. Models that transform their logits in a way we cannot reproduce are refused.
+
 Example::
 
     >>> import torch
@@ -31,6 +36,7 @@ MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` r
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import asdict
 from typing import Any, Optional, Union
@@ -44,11 +50,84 @@ from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.layers import mlp_hidden_size
-from lightning_mtp.mixin import MTPMixin
+from lightning_mtp.loss import LogitTransform
+from lightning_mtp.mixin import MTPMixin, check_block_spec
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 TRUNK_PREFIX = "trunk."
 HEADS_ONLY_KEY = "mtp_heads_only"
+
+_GEMMA_SOFTCAP = ("final_logit_softcapping", "softcap")
+LOGIT_TRANSFORMS: dict[str, tuple[str, str]] = {
+    # class: (text-config attribute, how the class's forward applies it: multiply | divide | softcap | ignored),
+    # read from the forward of each class in transformers' modeling_*.py (v5).
+    "CohereForCausalLM": ("logit_scale", "multiply"),
+    "Cohere2ForCausalLM": ("logit_scale", "multiply"),
+    "Cohere2MoeForCausalLM": ("logit_scale", "multiply"),
+    "GraniteForCausalLM": ("logits_scaling", "divide"),
+    "GraniteSWAForCausalLM": ("logits_scaling", "divide"),
+    "GraniteMoeForCausalLM": ("logits_scaling", "divide"),
+    "GraniteMoeSWAForCausalLM": ("logits_scaling", "divide"),
+    "GraniteMoeHybridForCausalLM": ("logits_scaling", "divide"),
+    "GraniteMoeSharedForCausalLM": ("logits_scaling", "divide"),
+    "MiniCPM3ForCausalLM": ("logits_scaling", "divide"),  # divides the hidden state before lm_head: the same map
+    "HyperCLOVAXForCausalLM": ("logits_scaling", "multiply"),  # same attribute as Granite's, the other way round
+    "FalconH1ForCausalLM": ("lm_head_multiplier", "multiply"),
+    "Gemma2ForCausalLM": _GEMMA_SOFTCAP,
+    "Gemma3ForCausalLM": _GEMMA_SOFTCAP,
+    "Gemma3nForCausalLM": _GEMMA_SOFTCAP,
+    "Gemma3nForConditionalGeneration": _GEMMA_SOFTCAP,
+    "Gemma4ForCausalLM": _GEMMA_SOFTCAP,
+    "Gemma4ForConditionalGeneration": _GEMMA_SOFTCAP,
+    "Gemma4UnifiedForCausalLM": _GEMMA_SOFTCAP,
+    "Gemma4UnifiedForConditionalGeneration": _GEMMA_SOFTCAP,
+    "VaultGemmaForCausalLM": _GEMMA_SOFTCAP,
+    "NanoChatForCausalLM": _GEMMA_SOFTCAP,
+    "BeamForCausalLM": _GEMMA_SOFTCAP,
+    "RecurrentGemmaForCausalLM": ("logits_soft_cap", "softcap"),
+    "Gemma3ForConditionalGeneration": ("final_logit_softcapping", "ignored"),  # its forward does not soft-cap
+}
+"""How each ``transformers`` class turns its LM head's output into logits. Classes not listed apply nothing."""
+
+LOGIT_ATTRIBUTES = ("logit_scale", "logits_scaling", "final_logit_softcapping", "logits_soft_cap",
+                    "lm_head_multiplier", "output_multiplier", "logits_mup_width_multiplier", "logit_softcapping",
+                    "unpadded_vocab_size")
+"""Config attributes that transform (or cut) the logits in some ``transformers`` model. A class missing from
+:data:`LOGIT_TRANSFORMS` whose config sets one of them is refused rather than trained on the wrong logits."""
+
+
+def logit_transform_of(model: nn.Module) -> LogitTransform:
+    """The :class:`~lightning_mtp.loss.LogitTransform` that ``model``'s forward applies to its LM head's output.
+
+    Raises:
+        TypeError: naming the class, model type and attribute, when the model transforms its logits in a way that is
+            not known here (a class missing from :data:`LOGIT_TRANSFORMS` whose config sets a logit attribute).
+    """
+    name, config = type(model).__name__, model.config.get_text_config()
+    rule = LOGIT_TRANSFORMS.get(name)
+    if rule is None:
+        unknown = {a: getattr(config, a) for a in LOGIT_ATTRIBUTES if getattr(config, a, None) not in (None, 1, 1.0)}
+        if unknown:
+            raise TypeError(
+                f"{name} (model_type {model.config.model_type!r}) sets {unknown} in its config, which its forward may "
+                "apply to the logits in a way lightning-mtp does not reproduce (HFCausalLM knows the transforms in "
+                "lightning_mtp.models.hf_causal_lm.LOGIT_TRANSFORMS); the MTP loss and drafts would not match the "
+                "model's own logits, so this model is not supported"
+            )
+        return LogitTransform()
+    attribute, kind = rule
+    value = getattr(config, attribute, None)
+    if value is None or kind == "ignored":
+        return LogitTransform()
+    number = None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+    if number is None or not math.isfinite(number) or (kind == "softcap" and number <= 0) or (
+        kind == "divide" and number == 0
+    ):
+        raise TypeError(f"{name} (model_type {model.config.model_type!r}): config.{attribute} = {value!r} is not a "
+                        "usable logit " + ("cap (a number > 0)" if kind == "softcap" else "scale (a finite number)"))
+    if kind == "softcap":
+        return LogitTransform(softcap=number)
+    return LogitTransform(scale=number if kind == "multiply" else 1.0 / number)
 
 
 def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: Optional[str],
@@ -90,6 +169,10 @@ def check_trunk(model: nn.Module) -> None:
     if head.bias is not None:
         raise TypeError(f"{name}'s LM head has a bias; MTP depths share the head's weight only, so heads with a "
                         "bias are not supported")
+    if type(head).forward is not nn.Linear.forward:
+        raise TypeError(f"{name}'s LM head is a {type(head).__name__} with its own forward (e.g. a learned per-token "
+                        "logit scale); the fused MTP loss uses the head's weight as a plain nn.Linear, so it is not "
+                        "supported")
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(f"{name} is an encoder-decoder model; HFCausalLM needs a decoder-only causal LM")
 
@@ -140,7 +223,9 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         if trunk is None:
             trunk = build_trunk(model_type, config, pretrained, attn_implementation)
         check_trunk(trunk)
+        self._logit_transform = logit_transform_of(trunk)  # refuses logit transforms we cannot reproduce
         self.trunk = trunk
+        check_block_spec(self.mtp_block_spec(), type(self).__name__)  # before training, naming the flag
         self.freeze_trunk = freeze_trunk
         self.save_trunk = (not freeze_trunk) if save_trunk is None else save_trunk
         self.mtp_heads = mtp_heads
@@ -211,16 +296,26 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def mtp_vocab_size(self) -> int:
         return self.mtp_output_head().out_features
 
+    def mtp_logit_transform(self) -> LogitTransform:
+        """The model's own scaling / soft-capping of its LM head's output (:func:`logit_transform_of`)."""
+        return self._logit_transform
+
     def mtp_decoding_host(self) -> HFCacheHost:
         self._require_modules()
         new_rollbackable_cache(self.trunk)  # refuse non-rollbackable caches before decoding starts
-        return HFCacheHost(self.trunk, self.max_context)
+        return HFCacheHost(self.trunk, self.max_context, self.mtp_logit_transform())
 
     # ----------------------------------------------------------------- trunk
     @property
     def max_positions(self) -> int:
         cfg = self.trunk.config.get_text_config()
         return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 4096)
+
+    def mtp_max_sequence_length(self) -> int:
+        return self.max_positions
+
+    def mtp_context_flag(self) -> str:
+        return "the transformers config's max_position_embeddings, --model.init_args.config.max_position_embeddings"
 
     @property
     def max_context(self) -> int:
@@ -235,8 +330,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         return out.last_hidden_state
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Next-token logits (B, T, V) from :meth:`forward`'s hidden states."""
-        return self.mtp_output_head()(hidden)
+        """Next-token logits (B, T, V) from :meth:`forward`'s hidden states, scaled / capped as the model's own."""
+        return self.mtp_logit_transform()(self.mtp_output_head()(hidden))
 
     # ----------------------------------------------------------------- heads-only checkpoints
     def mtp_state_dict(self) -> dict[str, Tensor]:
@@ -260,7 +355,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         missing = [k for k in missing if not k.startswith(TRUNK_PREFIX)]
         if missing or unexpected:
             raise ValueError(f"{path} does not fit {type(self).__name__}: missing {missing}, unexpected {unexpected}")
-        checkpointing.restore_runtime_state(self, checkpoint)
+        checkpointing.restore_runtime_state(self, checkpoint, schedule=False)  # weights only: a new run's schedule
         return report
 
     def _check_trunk_summary(self, checkpoint: dict, path: str) -> None:

@@ -1,0 +1,104 @@
+"""Bad input on the command line ends with one short ``lightning-mtp: error: ...`` line and exit status 2.
+
+Two sources of such errors: jsonargparse's parse errors (a value of the wrong type, an unknown option), which it
+reports as a tree of every union member it tried, and lightning-mtp's own checks (config ``__post_init__``, data vs
+model, checkpoints), which jsonargparse and Lightning wrap in chained tracebacks. Both are reduced to the message that
+names the flag. ``LIGHTNING_MTP_TRACEBACK=1`` keeps the full traceback.
+
+Example::
+
+    >>> condense_parse_error('''Parser key "model":
+    ...   Errors:
+    ...     - Problem with given class_path 'lightning_mtp.models.CausalLM':
+    ...         Parser key "mtp":
+    ...           Errors:
+    ...             - Problem with given class_path 'lightning_mtp.MTPConfig':
+    ...                 Parser key "architecture":
+    ...                   Expected a typing.Literal['cascaded', 'parallel']. Got value: tree
+    ...             - Expected a <class 'NoneType'>''')
+    "--model.init_args.mtp.architecture: Expected a typing.Literal['cascaded', 'parallel']. Got value: tree"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+_KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)":\s*$')
+_NOISE = (
+    "Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "- Problem with given class_path",
+    "Given value type:", "Given value:", "- Expected a <class 'NoneType'>", "Expected a <class 'NoneType'>",
+)
+
+
+def condense_parse_error(message: str) -> str:
+    """The first real reason in a jsonargparse error tree, prefixed with the flag it concerns."""
+    lines = message.splitlines()
+    if len(lines) <= 1:
+        return message.strip()
+    path: list[tuple[int, str]] = []  # (indent, key) of the enclosing "Parser key" lines
+    for line in lines:
+        match = _KEY.match(line)
+        indent = len(line) - len(line.lstrip())
+        if match:
+            while path and path[-1][0] >= indent:
+                path.pop()
+            path.append((indent, match.group(2)))
+            continue
+        text = line.strip()
+        if not text or text.startswith(_NOISE):
+            continue
+        while path and path[-1][0] >= indent:
+            path.pop()
+        keys = [key for _, key in path]
+        flag = ""
+        if keys:
+            section, rest = keys[0], keys[1:]
+            flag = "--" + ".".join([section, "init_args", *rest] if section in ("model", "data") and rest else keys)
+        reason = text[2:] if text.startswith("- ") else text
+        reason = re.sub(r"<class '([\w.]+)'>", r"\1", reason)
+        return f"{flag}: {reason}" if flag else reason
+    return lines[0].strip()
+
+
+class ShortErrorParser(LightningArgumentParser):
+    """A LightningArgumentParser whose parse errors are one line (see :func:`condense_parse_error`)."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+            super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        fail(f"{condense_parse_error(message)}\n(run '{prog} --help' for the accepted options)")
+
+
+def fail(message: str) -> NoReturn:
+    print(f"lightning-mtp: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def user_error(error: BaseException) -> Optional[str]:
+    """The message of a check of lightning-mtp's own, found anywhere in the chain of ``error`` (jsonargparse and
+    Lightning wrap them); ``None`` for anything else, so that bugs keep their tracebacks."""
+    seen: set[int] = set()
+    stack: list[Any] = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (ValueError, TypeError)) and _raised_by_us(current):
+            return str(current)
+        stack.extend([current.__cause__, current.__context__])
+    return None
+
+
+def _raised_by_us(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    package = str(Path(__file__).resolve().parent)
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package)
