@@ -30,14 +30,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mtp.callbacks._base import chunk_rows, depth_head, head_logits, loss_head, row_chunks
-from lightning_mtp.mixin import MTPForward, MTPMixin
+from lightning_mtp.head_calls import chunk_rows, depth_head, head_logits, loss_head, row_chunks
+from lightning_mtp.outputs import MTPForward
+
+if TYPE_CHECKING:
+    from lightning_mtp.mixin import MTPMixin
 
 
 def self_distillation_term(module: MTPMixin, fwd: MTPForward) -> Tensor:

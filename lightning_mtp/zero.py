@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,6 +21,7 @@ from lightning_mtp.kernels.linear_cross_entropy_torch import (
     check_logit_transform,
     default_chunk_size,
     resolve_row_weights,
+    row_cross_entropy,
     scale_and_cap,
 )
 
@@ -47,9 +47,7 @@ def _chunk_cross_entropy(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk: weighted CE sum, per-row CE (c,) (0 where ignored) and argmax (c,)."""
     logits = scale_and_cap(head(hidden).float(), logit_scale, softcap)  # (c, V)
-    valid = targets != ignore_index
-    safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-    row_loss = F.cross_entropy(logits, safe_targets, reduction="none") * valid  # (c,)
+    row_loss, _, _ = row_cross_entropy(logits, targets, ignore_index)  # (c,), differentiable
     return (row_loss * row_weights).sum(), row_loss.detach(), logits.argmax(dim=-1)
 
 

@@ -19,8 +19,8 @@ from lightning_mtp.callbacks import (
     MTPWeightSchedule,
     collision_sum,
 )
-from lightning_mtp.callbacks._base import loss_head
 from lightning_mtp.distillation import self_distillation_term
+from lightning_mtp.head_calls import loss_head
 from lightning_mtp.models import CausalLM, ModelConfig
 
 CASES = [(arch, share) for arch in ("cascaded", "parallel") for share in (True, False)]

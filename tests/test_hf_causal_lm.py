@@ -383,8 +383,8 @@ def test_cli_fits_with_the_hf_llama_config(tmp_path):
 def test_callbacks_read_logits_transformed_like_the_models(transformed_models, model_type):
     """The coupling monitor / draft calibration (teacher-forced logits), distillation and diversity form their
     probabilities as the host does: on a soft-capped or scaled model the main logits equal transformers' own."""
-    from lightning_mtp.callbacks._base import depth_head, head_logits
     from lightning_mtp.callbacks._teacher_forcing import sequence_logits, teacher_forced_forward
+    from lightning_mtp.head_calls import depth_head, head_logits
 
     model = transformed_models[model_type]
     scale, softcap = LOGIT_CONFIGS[model_type][1]

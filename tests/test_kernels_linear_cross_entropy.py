@@ -55,10 +55,8 @@ def run(fn, hidden, weight, targets, row_weights, chunk_size, grad_scale=2.0, **
 
 
 def assert_matches_twin(
-    hidden, weight, targets, row_weights, chunk_size, atol=ATOL, rtol=RTOL, exact_argmax=True, recompute=False,
-    **transform,
-):
-    kw = dict(recompute=recompute, **transform)
+    hidden, weight, targets, row_weights, chunk_size, atol=ATOL, rtol=RTOL, exact_argmax=True, **transform):
+    kw = dict(transform)
     out_k, gh_k, gw_k = run(linear_cross_entropy_triton, hidden, weight, targets, row_weights, chunk_size, **kw)
     out_t, gh_t, gw_t = run(linear_cross_entropy_torch, hidden, weight, targets, row_weights, chunk_size, **kw)
     torch.testing.assert_close(out_k.loss, out_t.loss, atol=atol, rtol=rtol)
@@ -98,15 +96,6 @@ def test_kernel_matches_twin(case):
     ignored = torch.tensor(cfg["ignored"], dtype=torch.long)
     if len(ignored):
         assert torch.all(out.row_loss[ignored] == 0)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("weighted", [False, True])
-def test_recompute_matches_twin(weighted):
-    hidden, weight, targets, row_weights = make_inputs(29, 16, 300, ignored=(0, 8, 9), weighted=weighted, seed=9)
-    out = assert_matches_twin(hidden, weight, targets, row_weights, 6, recompute=True)
-    plain = linear_cross_entropy_triton(hidden, weight, targets, row_weights, -100, 6)
-    torch.testing.assert_close(out.row_loss, plain.row_loss)
 
 
 @needs_interpreter
@@ -195,11 +184,11 @@ def naive_transformed_loss(hidden, weight, targets, row_weights, logit_scale, so
     return (rows * weights * valid).sum(), rows.detach(), logits.argmax(-1)
 
 
-def assert_matches_naive_reference(fn, transform, recompute, **kwargs):
+def assert_matches_naive_reference(fn, transform, **kwargs):
     logit_scale, softcap = TRANSFORMS[transform]
     hidden, weight, targets, row_weights = make_inputs(37, 24, 257, ignored=(0, 9, 10), weighted=True, seed=4)
-    out, grad_hidden, grad_weight = run(fn, hidden, weight, targets, row_weights, 8, recompute=recompute,
-                                        logit_scale=logit_scale, softcap=softcap, **kwargs)
+    out, grad_hidden, grad_weight = run(fn, hidden, weight, targets, row_weights, 8, logit_scale=logit_scale,
+                                        softcap=softcap, **kwargs)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, rows, argmax = naive_transformed_loss(h, w, targets, row_weights, logit_scale, softcap)
     ref_hidden, ref_weight = torch.autograd.grad(2.0 * loss, [h, w])  # run() backpropagates 2 * loss
@@ -212,22 +201,19 @@ def assert_matches_naive_reference(fn, transform, recompute, **kwargs):
     torch.testing.assert_close(grad_weight, ref_weight, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_twin_scales_and_caps_logits_like_the_naive_reference(transform, recompute):
-    assert_matches_naive_reference(linear_cross_entropy_torch, transform, recompute)
-    assert_matches_naive_reference(linear_cross_entropy, transform, recompute, backend="torch")  # the dispatcher
+def test_twin_scales_and_caps_logits_like_the_naive_reference(transform):
+    assert_matches_naive_reference(linear_cross_entropy_torch, transform)
+    assert_matches_naive_reference(linear_cross_entropy, transform, backend="torch")  # the dispatcher
 
 
 @needs_interpreter
-@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_kernel_scales_and_caps_logits_like_the_naive_reference(transform, recompute):
-    assert_matches_naive_reference(linear_cross_entropy_triton, transform, recompute)
+def test_kernel_scales_and_caps_logits_like_the_naive_reference(transform):
+    assert_matches_naive_reference(linear_cross_entropy_triton, transform)
     logit_scale, softcap = TRANSFORMS[transform]
     hidden, weight, targets, row_weights = make_inputs(29, 16, 300, ignored=(3,), weighted=True, seed=6)
-    assert_matches_twin(hidden, weight, targets, row_weights, 6, recompute=recompute, logit_scale=logit_scale,
-                        softcap=softcap)
+    assert_matches_twin(hidden, weight, targets, row_weights, 6, logit_scale=logit_scale, softcap=softcap)
 
 
 @needs_interpreter
@@ -303,16 +289,15 @@ def test_input_validation():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_gpu_fp32_matches_twin(weighted, recompute):
+def test_gpu_fp32_matches_twin(weighted):
     hidden, weight, targets, row_weights = make_inputs(
         1000, 256, 32003, device="cuda", ignored=range(100, 400), weighted=weighted
     )
     # cuBLAS may pick another algorithm for the kernel's scratch-buffer matmul: logits can differ by ulps, so an
     # argmax may flip on a near-tie
     out = assert_matches_twin(
-        hidden, weight, targets, row_weights, 256, atol=2e-5, rtol=1e-3, exact_argmax=False, recompute=recompute
+        hidden, weight, targets, row_weights, 256, atol=2e-5, rtol=1e-3, exact_argmax=False
     )
     assert int(out.row_argmax.max()) < 32003
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_mtp.callbacks._base import chunk_rows, depth_head, head_logits, row_chunks
+from lightning_mtp.head_calls import chunk_rows, depth_head, head_logits, row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin, unpack_batch
 
 

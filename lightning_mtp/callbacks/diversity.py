@@ -10,16 +10,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
-from lightning_mtp.callbacks._base import (
-    MTPCallback,
-    check_int,
-    chunk_rows,
-    head_logits,
-    loss_head,
-    require_mtp_module,
-    row_chunks,
-)
+from lightning_mtp.callbacks._base import MTPCallback, check_int, require_mtp_module
 from lightning_mtp.callbacks.schedules import ScalarSchedule, as_schedule
+from lightning_mtp.head_calls import chunk_rows, head_logits, loss_head, row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin
 
 

@@ -99,7 +99,7 @@ class MTPDrafter:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.modules = module._require_modules()
+        self.modules = module.require_mtp_modules()
         self.step_modules = list(self.modules)  # what draft() calls: these, or compiled (GenerationConfig.compile)
         # When set (compiled decoding), every module recomputes this many positions after a drafting step, whatever
         # the rows advanced: one shape per step, so one graph. It must be >= D + 1, the most a step can need.

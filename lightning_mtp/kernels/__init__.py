@@ -53,7 +53,6 @@ def linear_cross_entropy(
     row_weights: Optional[Tensor] = None,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
-    recompute: bool = False,
     backend: str = "auto",
     overwrite_hidden: bool = False,
     logit_scale: float = 1.0,
@@ -61,16 +60,16 @@ def linear_cross_entropy(
 ) -> LinearCrossEntropyOutput:
     """Weighted cross-entropy of ``hidden (N, H) @ weight (V, H).T`` against ``targets (N,)``, chunked.
 
-    See :func:`linear_cross_entropy_torch` for the arguments (``recompute=True`` inside activation checkpointing,
-    ``logit_scale``/``softcap`` for hosts that scale or soft-cap their logits) and outputs; ``backend`` picks the
+    See :func:`linear_cross_entropy_torch` for the arguments (``logit_scale``/``softcap`` for hosts that scale or
+    soft-cap their logits) and outputs; ``backend`` picks the
     implementation (module docstring). ``overwrite_hidden`` lets the torch twin reuse a scratch ``hidden`` for its
     gradient (the kernel ignores it).
     """
     args = (hidden, weight, targets, row_weights, ignore_index, chunk_size)
     transform = dict(logit_scale=logit_scale, softcap=softcap)
     if resolve_backend(backend, hidden, weight, targets, row_weights) == "triton":
-        return linear_cross_entropy_triton(*args, recompute=recompute, **transform)
-    return linear_cross_entropy_torch(*args, recompute=recompute, overwrite_hidden=overwrite_hidden, **transform)
+        return linear_cross_entropy_triton(*args, **transform)
+    return linear_cross_entropy_torch(*args, overwrite_hidden=overwrite_hidden, **transform)
 
 
 def verify_drafts(

@@ -13,9 +13,7 @@ Same signature and outputs as :func:`~lightning_mtp.kernels.linear_cross_entropy
 3. ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight += dlogits.T @ h`` into ONE fp32 buffer for all rows (all
    depths sharing the head go through one call).
 
-Backward only scales the stored gradients by the incoming gradient. With ``recompute=True`` (inside activation
-checkpointing) forward computes losses only and backward redoes the sweep with the row weights scaled by the incoming
-gradient. Ignored rows have weight 0: loss 0, no gradient.
+Backward only scales the stored gradients by the incoming gradient. Ignored rows have weight 0: loss 0, no gradient.
 Targets must be in ``[0, V)`` or equal ``ignore_index`` (not checked, to avoid a device sync).
 
 Example (CUDA tensors; CPU tensors work under ``TRITON_INTERPRET=1``, slowly)::
@@ -234,36 +232,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-class RecomputingFusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Forward computes only losses and saves its inputs; backward recomputes the logits chunk by chunk.
-
-    For activation-checkpointed units, where the forward runs twice and gradients computed in the first one would be
-    wasted work (the twin's ``recompute=True``).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
-        row_loss, row_argmax, _, _ = fused_chunked_pass(
-            hidden, weight, targets, row_weights, ignore_index, chunk_size, False, False, logit_scale, softcap
-        )
-        ctx.save_for_backward(hidden, weight, targets, row_weights)
-        ctx.ignore_index, ctx.chunk_size, ctx.logit_scale, ctx.softcap = ignore_index, chunk_size, logit_scale, softcap
-        ctx.mark_non_differentiable(row_loss, row_argmax)
-        return (row_loss * row_weights).sum(), row_loss, row_argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
-        hidden, weight, targets, row_weights = ctx.saved_tensors
-        scale = (row_weights * grad_loss).contiguous()  # (N,) fp32: the incoming gradient folded into the row weights
-        _, _, grad_hidden, grad_weight = fused_chunked_pass(
-            hidden, weight, targets, scale, ctx.ignore_index, ctx.chunk_size, *ctx.needs_input_grad[:2],
-            ctx.logit_scale, ctx.softcap,
-        )
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
-
-
 def linear_cross_entropy_triton(
     hidden: Tensor,
     weight: Tensor,
@@ -271,7 +239,6 @@ def linear_cross_entropy_triton(
     row_weights: Optional[Tensor] = None,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
-    recompute: bool = False,
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
 ) -> LinearCrossEntropyOutput:
@@ -292,8 +259,7 @@ def linear_cross_entropy_triton(
     check_triton_usable(hidden, weight, targets, row_weights)
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index).contiguous()
-    function = RecomputingFusedLinearCrossEntropyFunction if recompute else FusedLinearCrossEntropyFunction
-    loss, row_loss, row_argmax = function.apply(
+    loss, row_loss, row_argmax = FusedLinearCrossEntropyFunction.apply(
         hidden.contiguous(),
         weight.contiguous(),
         targets.long().contiguous(),

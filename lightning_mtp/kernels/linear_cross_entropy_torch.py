@@ -91,6 +91,21 @@ def _scale_and_cap_(logits: Tensor, logit_scale: float, softcap: Optional[float]
     return slope
 
 
+def row_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy of each row of fp32 ``logits`` (c, V) (already scaled and capped) against ``targets`` (c,).
+
+    Returns the per-row loss (c,), 0 where the target is ``ignore_index``; the row logsumexp (c,); and the targets
+    with ignored rows pointed at id 0 (c, 1), for gathers. Differentiable: the ZeRO-3 head path backpropagates through
+    it, the fused twin reuses ``logsumexp`` and the targets for its closed-form gradient. The one place the chunked
+    cross-entropy math is written.
+    """
+    valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)  # (c, 1)
+    lse = torch.logsumexp(logits, dim=-1)  # (c,)
+    row_loss = (lse - logits.gather(1, safe_targets).squeeze(1)) * valid  # (c,)
+    return row_loss, lse, safe_targets
+
+
 def _score_chunk(
     h: Tensor,
     weight: Tensor,
@@ -100,19 +115,13 @@ def _score_chunk(
     logit_scale: float,
     softcap: Optional[float],
     with_grad: bool,
-    with_rows: bool = True,
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """One row chunk: CE per row (c,) (0 where ignored) and argmax (c,) when ``with_rows``, and when ``with_grad`` the
-    fp32 gradient of Σ_i row_weights[i] · CE_i w.r.t. the raw head outputs h @ W.T (c, V)."""
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One row chunk: CE per row (c,) (0 where ignored), argmax (c,), and when ``with_grad`` the fp32 gradient of
+    Σ_i row_weights[i] · CE_i w.r.t. the raw head outputs h @ W.T (c, V)."""
     logits = (h @ weight.t()).float()  # (c, V) raw head outputs z
     slope = _scale_and_cap_(logits, logit_scale, softcap, with_grad)  # logits now hold y
-    valid = target != ignore_index
-    safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)  # (c, 1)
-    lse = torch.logsumexp(logits, dim=-1)  # (c,)
-    row_loss = row_argmax = None
-    if with_rows:
-        row_loss = (lse - logits.gather(1, safe_target).squeeze(1)) * valid
-        row_argmax = logits.argmax(dim=-1)
+    row_loss, lse, safe_target = row_cross_entropy(logits, target, ignore_index)
+    row_argmax = logits.argmax(dim=-1)
     if not with_grad:
         return row_loss, row_argmax, None
     # d(CE)/dy = softmax - onehot, scaled by each row's weight; reuse the logits buffer.
@@ -171,52 +180,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-class _RecomputingLinearCrossEntropy(torch.autograd.Function):
-    """Saves its inputs and recomputes logits chunk by chunk in backward.
-
-    Used inside activation-recomputed MTP depths: there the forward runs twice anyway, so computing gradients in
-    the first forward (as :class:`_ChunkedLinearCrossEntropy` does) would be wasted work.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
-        num_rows = hidden.shape[0]
-        row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
-        row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
-        for start in range(0, num_rows, chunk_size):
-            end = min(start + chunk_size, num_rows)
-            row_loss[start:end], row_argmax[start:end], _ = _score_chunk(
-                hidden[start:end], weight, targets[start:end], row_weights[start:end], ignore_index, logit_scale,
-                softcap, False,
-            )
-        ctx.save_for_backward(hidden, weight, targets, row_weights)
-        ctx.ignore_index, ctx.chunk_size, ctx.logit_scale, ctx.softcap = ignore_index, chunk_size, logit_scale, softcap
-        ctx.mark_non_differentiable(row_loss, row_argmax)
-        return (row_loss * row_weights).sum(), row_loss, row_argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
-        hidden, weight, targets, row_weights = ctx.saved_tensors
-        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
-        scale = row_weights * grad_loss
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            _, _, grad_logits = _score_chunk(
-                h, weight, targets[start:end], scale[start:end], ctx.ignore_index, ctx.logit_scale, ctx.softcap, True,
-                with_rows=False,
-            )
-            if needs_hidden_grad:
-                grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
-            if needs_weight_grad:
-                grad_weight.addmm_(grad_logits.t(), h.float())
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
-
-
 def linear_cross_entropy_torch(
     hidden: Tensor,
     weight: Tensor,
@@ -224,7 +187,6 @@ def linear_cross_entropy_torch(
     row_weights: Optional[Tensor] = None,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
-    recompute: bool = False,
     overwrite_hidden: bool = False,
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
@@ -238,8 +200,6 @@ def linear_cross_entropy_torch(
         targets: (N,) token ids; ``ignore_index`` rows score 0 and get no gradient.
         row_weights: (N,) weight of each row's loss. ``None`` gives the mean over valid rows.
         chunk_size: rows of logits materialised at once; default from :func:`default_chunk_size`.
-        recompute: save the inputs and recompute logits in backward instead of computing gradients in forward
-            (for use inside activation checkpointing, where the forward runs twice).
         overwrite_hidden: ``hidden`` is a private scratch copy (e.g. a concatenation) that nobody reads afterwards;
             its rows are overwritten by their gradients to save one (N, H) buffer.
         logit_scale: multiplies the head's outputs (Cohere's ``logit_scale``; 1 = none).
@@ -257,12 +217,7 @@ def linear_cross_entropy_torch(
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index)
     logit_scale, softcap = float(logit_scale), (None if softcap is None else float(softcap))
-    if recompute:
-        loss, row_loss, row_argmax = _RecomputingLinearCrossEntropy.apply(
-            hidden, weight, targets, weights, ignore_index, chunk_size, logit_scale, softcap
-        )
-    else:
-        loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
-            hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap
-        )
+    loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap
+    )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)

@@ -301,7 +301,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         return self._logit_transform
 
     def mtp_decoding_host(self) -> HFCacheHost:
-        self._require_modules()
+        self.require_mtp_modules()
         new_rollbackable_cache(self.trunk)  # refuse non-rollbackable caches before decoding starts
         return HFCacheHost(self.trunk, self.max_context, self.mtp_logit_transform())
 
@@ -336,7 +336,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     # ----------------------------------------------------------------- heads-only checkpoints
     def mtp_state_dict(self) -> dict[str, Tensor]:
         """The MTP modules' weights (no trunk weight; the shared embedding and head belong to the trunk)."""
-        self._require_modules()
+        self.require_mtp_modules()
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TRUNK_PREFIX)}
 
     def save_mtp_heads(self, path: str) -> None:

@@ -1,0 +1,81 @@
+"""``MTPMixin``: adds multi-token prediction heads and their loss to an existing LightningModule.
+
+The host keeps its model; the mixin needs four methods from it (:class:`MTPHostContract` lists them and the
+optional hooks with their defaults: ``mtp_block_spec``, ``mtp_logit_transform``, ``mtp_decoding_host``, ...):
+
+1. ``mtp_token_embedding()`` -> the token embedding module (``nn.Embedding``), shared with the cascaded modules;
+2. ``mtp_output_head()`` -> the vocabulary projection (``nn.Linear``), shared by every depth;
+3. ``mtp_final_norm()`` -> the trunk's final norm used for the next-token loss (default: identity);
+4. ``mtp_trunk_hidden_states(input_ids)`` -> the trunk's last hidden state (B, T, H), before the final norm.
+
+Example::
+
+    import lightning as L
+    from torch import nn
+    from lightning_mtp import MTPConfig, MTPMixin
+
+    class TinyLM(MTPMixin, L.LightningModule):
+        def __init__(self, vocab=256, dim=64):
+            super().__init__(mtp=MTPConfig(depth=2))
+            self.embed = nn.Embedding(vocab, dim)
+            self.trunk = nn.GRU(dim, dim, batch_first=True)  # any causal trunk
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def mtp_token_embedding(self): return self.embed
+        def mtp_output_head(self): return self.head
+        def mtp_final_norm(self): return self.norm
+        def mtp_trunk_hidden_states(self, input_ids): return self.trunk(self.embed(input_ids))[0]
+
+        def configure_optimizers(self): ...
+
+The default ``training_step``/``validation_step`` take batches of token ids (a tensor, or a dict with
+``input_ids`` and optional ``labels``). Hosts with their own ``training_step`` call :meth:`MTPMixin.compute_mtp_loss`
+with their hidden states and add its ``loss`` to theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from lightning_mtp import checkpointing
+from lightning_mtp.config import MTPConfig
+from lightning_mtp.distillation import self_distillation_term
+from lightning_mtp.mixin.construction import MTPConstruction, check_block_spec
+from lightning_mtp.mixin.contract import MTPHostContract
+from lightning_mtp.mixin.lifecycle import MTPLifecycle
+from lightning_mtp.mixin.objective import MTPObjective
+from lightning_mtp.mixin.steps import MTPSteps, unpack_batch
+from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
+
+__all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "check_block_spec", "unpack_batch"]
+
+
+class MTPMixin(MTPSteps, MTPLifecycle, MTPObjective, MTPConstruction, MTPHostContract):
+    """Multi-token prediction for a LightningModule; see the module docstring for what the host provides.
+
+    One class per concept, in ``lightning_mtp/mixin/``: :class:`MTPHostContract` (what the host provides),
+    :class:`MTPConstruction` (building the modules), :class:`MTPObjective` (the loss), :class:`MTPSteps` (Lightning
+    steps and generation), :class:`MTPLifecycle` (checks and checkpoint hooks).
+    """
+
+    def __init__(self, *args: Any, mtp: Union[MTPConfig, dict, None] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(mtp, dict):
+            mtp = MTPConfig(**mtp)
+        self.mtp_config: MTPConfig = mtp if mtp is not None else MTPConfig()
+        # Runtime schedule state, driven by callbacks and saved in checkpoints.
+        self.mtp_loss_weight: float = self.mtp_config.loss_weight
+        self.mtp_depth_weights: list[float] = list(self.mtp_config.depth_weights or [1.0] * self.mtp_config.depth)
+        self.mtp_active_depth: int = self.mtp_config.depth
+        self.mtp_draft_temperatures: list[float] = [1.0] * self.mtp_config.depth
+        self._mtp_loss_terms: dict[str, LossTerm] = {}
+        self.mtp_modules: Optional[nn.ModuleList] = None
+        self.mtp_output_heads: Optional[nn.ModuleList] = None
+        self.mtp_load_report: Optional[checkpointing.LoadReport] = None
+        self.mtp_tokenizer: Optional[dict] = None  # Tokenizer.spec() of the tokenizer the weights were trained with
+        self.mtp_distill_weight: float = self.mtp_config.distill_weight
+        if self.mtp_config.distill_weight > 0:
+            self.register_mtp_loss_term("distill", self_distillation_term)

@@ -1,0 +1,91 @@
+"""Building the MTP modules (``configure_model``, idempotent for DeepSpeed ZeRO-3) and reaching each depth's head."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mtp.heads import build_mtp_modules
+from lightning_mtp.layers import Linear, RotaryTable
+from lightning_mtp.metrics import MTPMetrics
+
+
+class MTPConstruction:
+    """``configure_model`` and the accessors of the built modules."""
+
+    def configure_model(self) -> None:
+        """Build the MTP modules once (idempotent), so that DeepSpeed ZeRO-3 can partition them."""
+        super().configure_model()
+        if self.mtp_modules is not None:
+            return
+        spec = check_block_spec(self.mtp_block_spec(), type(self).__name__)
+        cfg = self.mtp_config
+        self.mtp_modules = build_mtp_modules(
+            cfg.architecture, cfg.depth, spec["dim"], spec["n_heads"], spec["n_kv_heads"], spec["mlp_hidden"],
+            spec["eps"],
+        )
+        if not cfg.share_output_head:
+            self.mtp_output_heads = nn.ModuleList(
+                Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
+            )
+        embed = self.mtp_token_embedding()
+        if not cfg.share_embedding and cfg.architecture == "cascaded":
+            # The cascaded modules' own embedding, starting from the trunk's values (when they are readable).
+            self.mtp_embedding = nn.Embedding(embed.num_embeddings, embed.embedding_dim)
+            if not hasattr(embed.weight, "ds_id"):
+                with torch.no_grad():
+                    self.mtp_embedding.weight.copy_(embed.weight)
+        self.mtp_rope = RotaryTable(spec["max_positions"], spec["dim"] // spec["n_heads"])
+        self.mtp_metrics = MTPMetrics(cfg.depth, self.mtp_vocab_size(), cfg.ignore_index)
+        device = embed.weight.device if embed.weight.device.type != "meta" else None
+        if device is not None:
+            for part in (self.mtp_modules, self.mtp_rope, self.mtp_metrics, self.mtp_output_heads,
+                         getattr(self, "mtp_embedding", None)):
+                if part is not None:
+                    part.to(device)
+
+    def mtp_draft_embedding(self) -> nn.Embedding:
+        """Embedding of the cascaded modules' input tokens: the host's own unless ``share_embedding=False``."""
+        own = getattr(self, "mtp_embedding", None)
+        return own if own is not None else self.mtp_token_embedding()
+
+    def require_mtp_modules(self) -> nn.ModuleList:
+        """The MTP modules, built first (``configure_model``) if they are not yet."""
+        if self.mtp_modules is None:
+            self.configure_model()
+        return self.mtp_modules
+
+    # ----------------------------------------------------------------- forward
+    def mtp_depth_head_weight(self, depth: int) -> Tensor:
+        """(V, H) output weight used by ``depth`` (0 = the trunk's own head)."""
+        if depth == 0 or self.mtp_output_heads is None:
+            return self.mtp_output_head().weight
+        return self.mtp_output_heads[depth - 1].weight
+
+    def mtp_depth_head(self, depth: int) -> nn.Module:
+        """The output head module of ``depth`` (0 = the trunk's own head); call it rather than read its weight."""
+        if depth == 0 or self.mtp_output_heads is None:
+            return self.mtp_output_head()
+        return self.mtp_output_heads[depth - 1]
+
+    def mtp_depth_logits(self, depth: int, hidden: Tensor) -> Tensor:
+        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V), transformed as the host's."""
+        return self.mtp_logit_transform()(self.mtp_depth_head(depth)(self.mtp_modules[depth - 1].norm(hidden)))
+
+
+def check_block_spec(spec: dict, host: str) -> dict:
+    """Refuse an MTP block shape that cannot be built (``num_heads`` not dividing the width, odd RoPE head size)."""
+    dim, n_heads, n_kv = spec["dim"], spec["n_heads"], spec.get("n_kv_heads")
+    if dim % n_heads:
+        raise ValueError(
+            f"MTPConfig.num_heads (--model.init_args.mtp.num_heads) = {n_heads} does not divide the hidden size "
+            f"{dim} of {host}: pick a divisor of {dim}, or leave it unset to use the host's attention heads"
+        )
+    if (dim // n_heads) % 2:
+        raise ValueError(
+            f"MTPConfig.num_heads (--model.init_args.mtp.num_heads) = {n_heads} gives {host}'s MTP blocks a head size "
+            f"of {dim // n_heads}, which must be even for rotary position embeddings"
+        )
+    if n_kv is not None and n_heads % n_kv:
+        raise ValueError(f"{host}: the MTP blocks' {n_kv} key/value heads must divide their {n_heads} heads")
+    return spec

@@ -1,0 +1,91 @@
+"""Lifecycle hooks: data checks before training starts (vocabulary, sequence length, tokenizer), the custom-scalars
+layout, and MTP metadata and tokenizer in checkpoints."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_mtp import checkpointing
+from lightning_mtp.metrics import log_custom_scalars_layout
+
+
+class MTPLifecycle:
+    """``setup``, ``on_fit_start``, ``on_save_checkpoint``, ``on_load_checkpoint``; every hook calls ``super()``."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None:
+            return
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        model_vocab = self.mtp_vocab_size_hint()
+        if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+            raise ValueError(
+                f"the data's vocabulary ({data_vocab} tokens, --data.vocab_size / --data.tokenizer) is larger than "
+                f"the model's ({model_vocab}, --model.vocab_size)"
+            )
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len < self.mtp_config.depth + 2:
+            raise ValueError(
+                f"--data.seq_len={seq_len} is shorter than --model.mtp.depth + 2 = {self.mtp_config.depth + 2}: "
+                "the deepest MTP depth would have no target"
+            )
+        context = self.mtp_max_sequence_length()
+        if seq_len is not None and context is not None and stage in ("fit", "validate", "test") and seq_len > context:
+            raise ValueError(
+                f"--data.seq_len={seq_len} is longer than the model's context of {context} tokens "
+                f"({self.mtp_context_flag()}): lower --data.seq_len or raise the model's context"
+            )
+        record = datamodule.tokenizer_record() if hasattr(datamodule, "tokenizer_record") else None
+        if record is not None:
+            if self.mtp_tokenizer is None and stage == "fit":
+                self.mtp_tokenizer = record  # a new fit binds the weights to the data's tokenizer
+            else:
+                self._refuse_other_tokenizer(record, "the model's weights")
+
+    def bind_mtp_tokenizer(self, record: dict, source: str = "the checkpoint") -> None:
+        """Record the tokenizer these weights were trained with (``Tokenizer.spec()`` plus data settings, as
+        ``checkpoint["tokenizer"]`` holds it); data with another tokenizer is refused from then on.
+
+        Example::
+
+            from lightning_mtp.data import tokenizer_from_spec
+            model = CausalLM.load_from_checkpoint("last.ckpt", weights_only=True)
+            tokenizer = tokenizer_from_spec(model.mtp_tokenizer)   # decode generate()'s ids with it
+        """
+        self.mtp_tokenizer = record
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "tokenizer_record"):
+            self._refuse_other_tokenizer(datamodule.tokenizer_record(), source)
+
+    def _refuse_other_tokenizer(self, data_record: dict, source: str) -> None:
+        reason = checkpointing.tokenizer_mismatch(self.mtp_tokenizer, data_record)
+        if reason is not None:
+            raise ValueError(f"{source}: {reason}")
+
+    def mtp_vocab_size_hint(self) -> Optional[int]:
+        """The model's vocabulary size before ``configure_model`` may have run; ``None`` when unknown."""
+        try:
+            return self.mtp_vocab_size()
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        log_custom_scalars_layout(self.loggers, self.mtp_config.depth)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
+        if self.mtp_tokenizer is not None:
+            checkpoint[checkpointing.TOKENIZER_KEY] = self.mtp_tokenizer
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.require_mtp_modules()
+        fitting = self._trainer is not None and self.trainer.training
+        self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
+        # Only a resumed fit continues the old schedule; loading for predict/validate or into a new fit does not.
+        checkpointing.restore_runtime_state(self, checkpoint, schedule=fitting)
+        if checkpoint.get(checkpointing.TOKENIZER_KEY):
+            self.bind_mtp_tokenizer(checkpoint[checkpointing.TOKENIZER_KEY], "the checkpoint")

@@ -1,0 +1,162 @@
+"""The MTP training objective: run the active depths on teacher-forced tokens, score them jointly with the main
+head, add the registered loss terms (:meth:`MTPObjective.compute_lm_loss`, :meth:`MTPObjective.compute_mtp_loss`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_mtp.loss import DepthLossPart, DepthLossSpec, combine_parts, depth_targets, run_depth, score_jointly
+from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
+
+
+class MTPObjective:
+    """Loss orchestration; reads the host contract and the built modules."""
+
+    def register_mtp_loss_term(self, name: str, term: LossTerm) -> None:
+        """Add ``term(module, forward) -> scalar`` to the training loss; it is logged as ``train/mtp/<name>``."""
+        self._mtp_loss_terms[name] = term
+
+    def unregister_mtp_loss_term(self, name: str) -> None:
+        """Remove a term added by :meth:`register_mtp_loss_term` (no error when absent)."""
+        self._mtp_loss_terms.pop(name, None)
+
+    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
+        """Run every active depth on teacher-forced tokens; returns per-depth normed hidden states.
+
+        hidden: (B, T, H) trunk's last hidden state h_0. Depth k covers positions 0..T-k-2, the ones with a target.
+        """
+        return self._run_depths(hidden, input_ids, labels, with_loss=False)[0]
+
+    def _score(
+        self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None
+    ) -> MTPLossOutput:
+        """Score the main head (if given) and every active depth jointly: one cross-entropy call per head."""
+        hidden = ([fwd.main_hidden] if main is not None else []) + list(fwd.depth_hidden)
+        if not (self._mtp_loss_terms and torch.is_grad_enabled()):
+            # Nothing reads the normed states after scoring: let the scorer free them as soon as they are copied.
+            fwd.main_hidden, fwd.depth_hidden = None, []
+        parts = score_jointly(([main] if main is not None else []) + specs, hidden, self.mtp_logit_transform())
+        main_part = parts.pop(0) if main is not None else None
+        return self._finish(fwd, parts, main_part)
+
+    def _run_depths(
+        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool
+    ) -> tuple[MTPForward, list[DepthLossSpec]]:
+        """The depth loop. With ``recompute`` each depth (block and norm) is one activation-checkpointed unit, so
+        between forward and backward a depth keeps only its input alive."""
+        modules = self.require_mtp_modules()
+        cfg = self.mtp_config
+        B, T = input_ids.shape
+        self._check_trunk_hidden(hidden, input_ids)
+        if T < cfg.depth + 2:
+            raise ValueError(
+                f"sequence length {T} is shorter than MTPConfig.depth + 2 = {cfg.depth + 2}: depth {cfg.depth} "
+                "would have no target (raise --data.seq_len or lower --model.mtp.depth)"
+            )
+        labels = input_ids if labels is None else labels
+        trunk = hidden.detach() if cfg.detach_trunk else hidden
+        embeddings = None
+        if cfg.architecture == "cascaded":
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_trunk):
+                embeddings = self.mtp_draft_embedding()(input_ids)  # (B, T, H)
+        cos, sin = self.mtp_rope(T)
+        recompute = cfg.recompute and torch.is_grad_enabled()
+        scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
+        previous, depth_hidden, specs = trunk, [], []
+        for k in range(1, self.mtp_active_depth + 1):
+            length = T - k - 1
+            h_in = previous[:, :length] if cfg.architecture == "cascaded" else trunk[:, :length]
+            emb_in = embeddings[:, k : k + length] if embeddings is not None else None  # Emb(t(i+k))
+            loss_spec = None
+            if with_loss:
+                head_weight = self.mtp_depth_head_weight(k)
+                if cfg.detach_trunk and self.mtp_output_heads is None:
+                    head_weight = head_weight.detach()  # the MTP loss must not move the shared head
+                loss_spec = DepthLossSpec(head_weight, depth_targets(labels, k, length),
+                                          scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
+                                          self._mtp_chunk_size(), self.mtp_depth_head(k))
+            run = functools.partial(run_depth, modules[k - 1], cos[:, :length], sin[:, :length], recompute)
+            if recompute:
+                out, normed = checkpoint(run, h_in, emb_in, use_reentrant=False)
+            else:
+                out, normed = run(h_in, emb_in)
+            depth_hidden.append(normed)
+            specs.append(loss_spec)
+            previous = out
+        # Under detach_trunk, loss terms (callbacks) read the detached trunk state: no MTP-side gradient reaches it.
+        return MTPForward(input_ids, labels, trunk, depth_hidden), specs
+
+    def _check_trunk_hidden(self, hidden: Tensor, input_ids: Tensor) -> None:
+        norm = getattr(self.mtp_modules[0], "norm", None)
+        weight = getattr(norm, "weight", None)
+        width = int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else None  # ZeRO-3: ds_shape
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(input_ids.shape) or (
+            width is not None and hidden.shape[-1] != width
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.mtp_trunk_hidden_states(input_ids) (or the hidden states given to "
+                f"compute_mtp_loss) must be (batch, tokens, hidden) = ({input_ids.shape[0]}, {input_ids.shape[1]}, "
+                f"{width if width is not None else 'H'}) for input_ids of shape {tuple(input_ids.shape)}, got "
+                f"{tuple(hidden.shape)}: return the trunk's last hidden state, one vector per token, before the final "
+                "norm (not logits, not a pooled or flattened state)"
+            )
+
+    def _finish(self, fwd: MTPForward, parts: list[DepthLossPart], main: Optional[DepthLossPart]) -> MTPLossOutput:
+        cfg = self.mtp_config
+        losses = combine_parts(([main] if main is not None else []) + parts)
+        per_depth = losses.per_depth[int(main is not None):]
+        depth_losses = torch.zeros(cfg.depth, device=per_depth.device)
+        depth_losses[: per_depth.shape[0]] = per_depth
+        mtp_weighted = per_depth.new_zeros(())
+        for i, part in enumerate(parts):
+            mtp_weighted = mtp_weighted + part.weight * per_depth[i]
+        total = losses.loss
+        extra = {}
+        if torch.is_grad_enabled():
+            if cfg.detach_trunk and fwd.main_hidden is not None:
+                # The main loss was scored from it with gradient; the MTP-side terms read it detached.
+                fwd = dataclasses.replace(fwd, main_hidden=fwd.main_hidden.detach())
+            for name, term in self._mtp_loss_terms.items():
+                extra[name] = term(self, fwd)
+                total = total + extra[name]
+        return MTPLossOutput(
+            loss=total,
+            mtp_loss=mtp_weighted.detach(),
+            depth_losses=depth_losses,
+            main_loss=losses.per_depth[0] if main is not None else None,
+            extra_terms={k: v.detach() for k, v in extra.items()},
+            forward=fwd,
+            losses=losses,
+        )
+
+    def _mtp_chunk_size(self) -> Optional[int]:
+        return self.mtp_config.loss_chunk_size
+
+    def compute_mtp_loss(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
+        """The weighted MTP loss for hosts that keep their own ``training_step``.
+
+        Args:
+            hidden: (B, T, H) the trunk's last hidden state (before the final norm).
+            input_ids: (B, T) token ids.
+            labels: (B, T) targets aligned with ``input_ids`` (``ignore_index`` on padding); default ``input_ids``.
+
+        Returns:
+            ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
+            ``depth_losses`` (D,) for logging.
+        """
+        return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True))
+
+    def compute_lm_loss(self, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
+        """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked."""
+        hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
+        fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
+        main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
+                             self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
+        return self._score(fwd, specs, main)

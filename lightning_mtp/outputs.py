@@ -1,0 +1,45 @@
+"""What an MTP forward and its loss return: :class:`MTPForward` (handed to loss terms) and :class:`MTPLossOutput`.
+
+Plain containers below the mixin, so that loss terms (self-distillation, the callbacks' penalties) can read them
+without importing the mixin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+
+from lightning_mtp.loss import DepthLosses
+
+LossTerm = Callable[[Any, "MTPForward"], Tensor]
+"""``term(module, forward) -> scalar`` added to the training loss (``MTPMixin.register_mtp_loss_term``)."""
+
+
+@dataclass
+class MTPForward:
+    """What one MTP forward produced; handed to registered loss terms (callbacks)."""
+
+    input_ids: Tensor  # (B, T)
+    labels: Tensor  # (B, T), ignore_index on padding
+    trunk_hidden: Tensor  # (B, T, H) h_0, before the final norm
+    depth_hidden: list[Tensor]  # per active depth k: (B, T-k-1, H) after the depth's output norm
+    main_hidden: Optional[Tensor] = None  # (B, T-1, H) final-normed trunk states, when the main loss is computed
+
+
+@dataclass
+class MTPLossOutput:
+    """Result of :meth:`MTPMixin.compute_mtp_loss` and :meth:`MTPMixin.compute_lm_loss`."""
+
+    loss: Tensor
+    """Differentiable total: λ · mean_k(w_k · L_k) [+ main loss when computed] + registered terms."""
+    mtp_loss: Tensor
+    """Detached λ · mean_k(w_k · L_k)."""
+    depth_losses: Tensor
+    """(D,) detached mean loss of each depth; 0 for inactive depths."""
+    main_loss: Optional[Tensor] = None
+    extra_terms: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    forward: Optional[MTPForward] = None
+    losses: Optional[DepthLosses] = None  # raw per-row predictions/targets, entry 0 = main when computed
