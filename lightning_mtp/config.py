@@ -64,10 +64,13 @@ class MTPConfig:
     one chunk of logits is about as large as the hidden states (Liger-Kernel's rule)."""
 
     num_heads: Optional[int] = None
-    """Attention heads of each MTP block (default: the host's)."""
+    """Attention heads of each MTP block. Default: the trunk's own for the bundled hosts (``CausalLM``,
+    ``HFCausalLM``); ``hidden // 64`` for a custom host unless it overrides ``mtp_block_spec()``. Must divide the
+    hidden size."""
 
     mlp_ratio: Optional[float] = None
-    """Hidden size multiplier of each MTP block's SwiGLU (default: the host's, else 8/3)."""
+    """Hidden size multiplier of each MTP block's SwiGLU. Default: the trunk's own for the bundled hosts (the
+    ``transformers`` config's ``intermediate_size``); 8/3 for a custom host unless it overrides ``mtp_block_spec()``."""
 
     distill_weight: float = 0.0
     """Weight of the opt-in self-distillation term KL(stop-grad(main at i+k) ‖ depth k at i) that raises

@@ -122,18 +122,86 @@ def test_compiled_decoding_keeps_greedy_output(models):
     copy.deepcopy(model)  # nothing compiled is attached to the module
 
 
-def test_sequences_hold_prompt_then_new_tokens(models):
+def test_sequences_keep_the_input_layout_then_the_new_tokens(models):
+    """``sequences`` is ``input_ids`` as given (row 1 left-padded, the others right-padded), then the new tokens;
+    a row stopped by EOS is padded with ``pad_token_id`` after it."""
     model = models["cascaded"]
     input_ids, mask, prompts = ragged_prompts()
-    out = model.generate(input_ids, 12, attention_mask=mask)
+    eos = alone(model, prompts[0], 12)[0]  # row 0 stops at once; the others never emit it
+    out = model.generate(input_ids, 12, attention_mask=mask, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    width = input_ids.shape[1]
+    assert out.sequences.shape == (3, width + out.new_tokens.shape[1])
+    assert torch.equal(out.sequences[:, :width], input_ids)
+    assert torch.equal(out.sequences[:, width:], out.new_tokens)
     for row, prompt in enumerate(prompts):
-        total = len(prompt) + int(out.num_new_tokens[row])
-        assert out.sequences[row, : len(prompt)].tolist() == prompt.tolist()
-        new = out.new_tokens[row, : out.num_new_tokens[row]].tolist()
-        assert out.sequences[row, len(prompt) : total].tolist() == new
-        assert (out.sequences[row, total:] == -1).all()
+        count = int(out.num_new_tokens[row])
+        assert out.new_tokens[row, :count].tolist() == alone(model, prompt, 12, eos_token_id=eos)
+        assert (out.new_tokens[row, count:] == VOCAB - 1).all()
+    assert out.num_new_tokens[0] == 1 and out.new_tokens.shape[1] == 12  # row 0 holds padding
     assert out.prompt_lengths.tolist() == [len(p) for p in prompts]
     out.sequences.float().requires_grad_()  # plain tensors, not inference tensors
+
+
+def test_sequences_equal_transformers_generate_left_padded():
+    """A ``transformers`` Llama wrapped by ``HFCausalLM``: ``sequences`` equals ``transformers``' own ``generate``
+    token for token, left padding and the ``pad_token_id`` after EOS-stopped rows included."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mtp.models import HFCausalLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    llama = transformers.LlamaForCausalLM(config).eval()
+    model = HFCausalLM.from_model(llama, mtp=MTPConfig(depth=2))
+    model.configure_model()
+    model.eval()
+    pad, width, new = 5, 7, 12
+    lengths = torch.tensor([7, 3, 5, 6])
+    mask = (torch.arange(width) >= width - lengths.unsqueeze(1)).long()  # (B, W) left padding
+    input_ids = torch.randint(6, 64, (4, width), generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, pad)
+
+    def reference(eos):
+        return llama.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              pad_token_id=pad, eos_token_id=eos)
+
+    eos = int(reference(None)[1, width + 2])  # row 1 emits it third
+    expected = reference(eos)
+    assert (expected[:, -1] == pad).sum() >= 1 and (expected[:, -1] != pad).sum() >= 1  # some rows stopped early
+    for speculative in (True, False):
+        out = model.generate(input_ids, new, attention_mask=mask, eos_token_id=eos, pad_token_id=pad,
+                             speculative=speculative)
+        assert torch.equal(out.sequences, expected), speculative
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_sequences_decode_to_prompt_then_completion(make_tiny_model, padding):
+    """``tokenizer.decode(row, skip_special_tokens=True)`` of ``sequences`` is the prompt text + the completion text;
+    the default padding is the pad id of the tokenizer the module was trained with."""
+    from lightning_mtp.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()  # eos 256, pad 257
+    model = make_tiny_model(depth=2, vocab_size=tokenizer.vocab_size).eval()
+    model.bind_mtp_tokenizer(tokenizer.spec())
+    with torch.no_grad():  # after an "o" the model emits EOS: that row stops at once, the others run on
+        model.lm_head.weight[tokenizer.eos_id] = 2 * model.lm_head.weight[ord("o")]
+    texts = ["def f(x):", "héllo", "import os\nx = 1"]
+    encoded = [tokenizer.encode(text) for text in texts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(texts), width), tokenizer.pad_id)
+    mask = torch.zeros(len(texts), width, dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        columns = slice(width - len(ids), width) if padding == "left" else slice(0, len(ids))
+        input_ids[row, columns] = torch.tensor(ids)
+        mask[row, columns] = 1
+    out = model.generate(input_ids, 10, attention_mask=mask, eos_token_id=tokenizer.eos_id)
+    assert out.num_new_tokens.tolist() == [10, 1, 10] and out.new_tokens[1, 0] == tokenizer.eos_id
+    assert out.sequences[1, width + 1 :].eq(tokenizer.pad_id).all()
+    assert torch.equal(out.sequences[:, :width], input_ids)
+    for row, text in enumerate(texts):
+        completion = tokenizer.decode(out.new_tokens[row, : out.num_new_tokens[row]].tolist())
+        assert tokenizer.decode(out.sequences[row].tolist(), skip_special_tokens=True) == text + completion
 
 
 # ----------------------------------------------------------------------------------------------- drafter caches
@@ -194,7 +262,7 @@ def test_each_row_stops_at_its_own_eos(models, architecture):
     out = model.generate(input_ids, 40, attention_mask=mask, eos_token_id=eos)
     assert rows_of(out) == expected
     assert out.new_tokens.shape[1] == max(len(e) for e in expected)
-    assert (out.new_tokens[0, len(expected[0]) :] == -1).all()
+    assert (out.new_tokens[0, len(expected[0]) :] == eos).all()  # no pad_token_id nor tokenizer: EOS pads
 
 
 def test_budget_shorter_than_a_step(models):
@@ -286,6 +354,8 @@ def test_typical_acceptance_is_opt_in(models):
         ((torch.ones(1, 3, dtype=torch.long), 4), {"draft_tokens": 0}, "draft_tokens"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"top_p": 1.5}, "top_p"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"top_k": 0}, "top_k"),
+        ((torch.ones(1, 3, dtype=torch.long), 4), {"pad_token_id": -1},
+         r"pad_token_id \(GenerationConfig.pad_token_id, --model.generation.pad_token_id\) must be a token id >= 0"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"acceptance": "typical"}, "acceptance"),
         ((torch.ones(3, dtype=torch.long), 4), {}, r"input_ids must be a \(batch, length\) tensor"),
         ((torch.ones(1, 3), 4), {}, "input_ids must hold integer token ids"),
@@ -301,6 +371,7 @@ def test_prompt_padding_outside_the_vocabulary_is_ignored(models):
     input_ids = torch.tensor([[3, 4, 5], [7, -1, -1]])  # -1 padding, masked out
     out = model.generate(input_ids, 5, attention_mask=input_ids >= 0)
     assert rows_of(out)[1] == alone(model, torch.tensor([7]), 5)
+    assert torch.equal(out.sequences[:, :3], input_ids)  # the prompt columns are input_ids as given
 
 
 # ----------------------------------------------------------------------------------------------- predict

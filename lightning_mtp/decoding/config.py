@@ -48,6 +48,11 @@ class GenerationConfig:
     """Most drafts per step, 1..D (default: the MTP depth D)."""
     eos_token_id: Optional[int] = None
     """Stop a row after it emits this token (``predict_step`` defaults to the datamodule's EOS)."""
+    pad_token_id: Optional[int] = None
+    """Fills ``sequences`` and ``new_tokens`` after a row's last new token (a row that stopped at EOS), as
+    ``transformers`` does. ``None``: the tokenizer's pad id (``predict_step``: the datamodule's; ``generate``: the
+    module's ``mtp_tokenizer`` record, kept from training or the checkpoint), else ``eos_token_id`` (as
+    ``transformers`` falls back), else 0 (never used then: without EOS every row generates ``max_new_tokens``)."""
     draft_confidence_threshold: Optional[float] = None
     """Dynamic draft length: a row stops drafting once its draft's probability under the drafter falls below this
     value, and a step stops calling deeper MTP modules once every row has stopped. ``None`` always drafts
@@ -89,6 +94,8 @@ class GenerationConfig:
             raise _fail("draft_tokens", f"must be an integer >= 1 or None (= the MTP depth), got {self.draft_tokens!r}")
         if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
             raise _fail("eos_token_id", f"must be a token id >= 0 or None, got {self.eos_token_id!r}")
+        if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
+            raise _fail("pad_token_id", f"must be a token id >= 0 or None, got {self.pad_token_id!r}")
         threshold = self.draft_confidence_threshold
         if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
             raise _fail("draft_confidence_threshold", f"must be in [0, 1] or None, got {threshold!r}")

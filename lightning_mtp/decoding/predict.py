@@ -49,8 +49,8 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
         module: the model (an ``MTPMixin`` module).
         batch: ``{"input_ids": (B, L) right-padded, "lengths": (B,), "prompt_text": [...]}`` (TextDataModule's
             predict batches), or a dict with ``attention_mask`` instead of ``lengths``, or a (B, L) tensor.
-        **generation_kwargs: :class:`~lightning_mtp.decoding.GenerationConfig` fields. ``eos_token_id`` defaults to
-            the datamodule's EOS.
+        **generation_kwargs: :class:`~lightning_mtp.decoding.GenerationConfig` fields. ``eos_token_id`` and
+            ``pad_token_id`` default to the datamodule's EOS and pad ids.
 
     Returns:
         ``{"tokens": [[new ids] per row], "texts": [decoded new text] or None, "prompt_text": [...] or None,
@@ -67,6 +67,8 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
     config = GenerationConfig(**generation_kwargs)
     if config.eos_token_id is None and getattr(datamodule, "eos_id", None) is not None:
         config.eos_token_id = int(datamodule.eos_id)
+    if config.pad_token_id is None and getattr(datamodule, "pad_id", None) is not None:
+        config.pad_token_id = int(datamodule.pad_id)
     kwargs = config.to_kwargs()
     seed = kwargs.pop("seed")
     device = next(module.parameters()).device

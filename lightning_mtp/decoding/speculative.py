@@ -38,7 +38,7 @@ from lightning_mtp.decoding.drafting import Drafter, DraftLength, MTPDrafter
 from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
 from lightning_mtp.decoding.lockstep import all_ranks, gathered_output_head, needs_rank_sync
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens
-from lightning_mtp.decoding.state import PAD, DecodeState, emit, new_state
+from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import speculative_step, verify_forward
 
@@ -123,6 +123,9 @@ def decode(
 ) -> GenerateOutput:
     """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
 
+    The output's ``sequences`` are ``prompts`` followed by the new tokens (:func:`generate` puts its own
+    ``input_ids`` there instead); padding is :func:`padding_id` of ``config``.
+
     ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
     ``fused_step``: :func:`~lightning_mtp.decoding.step.speculative_step` compiled (greedy, fixed draft length),
     used from the second step on (the first fills the MTP modules' caches over the whole prompt).
@@ -177,7 +180,7 @@ def decode(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    return finish(state, config.max_new_tokens, max_drafts, batch, elapsed)
+    return finish(state, prompts, padding_id(config), max_drafts, batch, elapsed)
 
 
 def _all_done(state: DecodeState, sync_ranks: bool) -> bool:
@@ -187,16 +190,22 @@ def _all_done(state: DecodeState, sync_ranks: bool) -> bool:
     return bool(done.item())
 
 
-def finish(state: DecodeState, max_new_tokens: int, max_drafts: int, batch: int, elapsed: float) -> GenerateOutput:
-    steps = torch.arange(max_new_tokens, device=state.tokens.device)  # (N,)
-    index = (state.prompt_lengths.unsqueeze(1) + steps).clamp(max=state.tokens.shape[1] - 1)  # (B, N)
-    valid = steps < state.emitted.unsqueeze(1)
+def padding_id(config: GenerationConfig) -> int:
+    """What fills the outputs after a row's last token: ``pad_token_id``, else EOS (``transformers``' fallback),
+    else 0 (unused: without EOS every row generates ``max_new_tokens``)."""
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    return config.eos_token_id if config.eos_token_id is not None else 0
+
+
+def finish(state: DecodeState, inputs: Tensor, pad: int, max_drafts: int, batch: int, elapsed: float) -> GenerateOutput:
+    """Collect each row's new tokens (B, N), padded with ``pad``, after ``inputs`` (B, L): ``sequences`` (B, L + N)."""
     longest = int(state.emitted.max())
-    new_tokens = torch.where(valid, state.tokens.gather(1, index), PAD)[:, :longest]  # (B, N)
-    total = state.prompt_lengths + state.emitted  # (B,)
-    width = int(total.max())
-    columns = torch.arange(width, device=state.tokens.device)
-    sequences = torch.where(columns < total.unsqueeze(1), state.tokens[:, :width], PAD)  # (B, S)
+    steps = torch.arange(longest, device=state.tokens.device)  # (N,)
+    index = state.prompt_lengths.unsqueeze(1) + steps  # (B, N) positions of the new tokens in the token buffer
+    valid = steps < state.emitted.unsqueeze(1)  # (B, N)
+    new_tokens = torch.where(valid, state.tokens.gather(1, index), pad)  # (B, N)
+    sequences = torch.cat([inputs, new_tokens], dim=1)  # (B, L + N)
     stats = DecodeStats(
         batch_size=batch,
         max_drafts=max_drafts,
@@ -222,6 +231,7 @@ def generate(
     speculative: bool = True,
     draft_tokens: Optional[int] = None,
     eos_token_id: Optional[int] = None,
+    pad_token_id: Optional[int] = None,
     attention_mask: Optional[Tensor] = None,
     generator: Optional[torch.Generator] = None,
     **options: Any,
@@ -239,6 +249,8 @@ def generate(
         speculative: draft with the MTP heads and verify; ``False`` is plain autoregressive decoding (the reference).
         draft_tokens: drafts per step, 1..D (default D).
         eos_token_id: a row stops after emitting it.
+        pad_token_id: fills ``sequences`` and ``new_tokens`` after a row's last new token; default: the pad id of the
+            module's ``mtp_tokenizer`` record (the tokenizer it was trained with), else ``eos_token_id``.
         attention_mask: (B, L) 1 on prompt tokens; rows may have different prompt lengths (left or right padding).
         generator: ``torch.Generator`` on the module's device for every random draw.
         seed: sampling seed, the alternative to ``generator``: the same seed gives the same samples.
@@ -247,16 +259,20 @@ def generate(
             ``typical_delta``, ``compile``).
 
     Returns:
-        :class:`GenerateOutput` with ``sequences``, ``new_tokens`` and ``stats`` (:class:`DecodeStats`: forward
-        passes, per-depth acceptance, ``tau`` counting the bonus token, tokens/s).
+        :class:`GenerateOutput`: ``sequences`` (B, L + N) as ``transformers`` lays them out (``input_ids`` as given,
+        then the new tokens, rows that stopped at EOS padded with ``pad_token_id``), the ragged view ``new_tokens``
+        (B, N) with ``num_new_tokens`` (B,), and ``stats`` (:class:`DecodeStats`: forward passes, per-depth
+        acceptance, ``tau`` counting the bonus token, tokens/s).
 
     Greedy speculative output equals plain greedy output token for token; sampled output has exactly the plain
     sampling distribution (unless ``acceptance="typical"``, which is lossy).
     """
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, speculative=speculative,
-        draft_tokens=draft_tokens, eos_token_id=eos_token_id, **options,
+        draft_tokens=draft_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **options,
     )
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer_pad_id(module)
     if config.seed is not None:
         if generator is not None:
             raise ValueError("generate() takes either seed or generator, not both: the seed would be ignored")
@@ -283,5 +299,14 @@ def generate(
         )
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
-    return GenerateOutput(out.sequences.clone(), out.new_tokens.clone(), out.num_new_tokens.clone(),
-                          out.prompt_lengths.clone(), out.stats)
+    new_tokens = out.new_tokens.clone()  # (B, N)
+    sequences = torch.cat([input_ids.to(device=device, dtype=torch.long), new_tokens], dim=1)  # (B, L + N)
+    return GenerateOutput(sequences, new_tokens, out.num_new_tokens.clone(), out.prompt_lengths.clone(), out.stats)
+
+
+def tokenizer_pad_id(module: torch.nn.Module) -> Optional[int]:
+    """The host's pad id (``MTPMixin.mtp_pad_token_id``: the pad id of the tokenizer its weights were trained with,
+    or a ``transformers`` model's own), if known."""
+    hook = getattr(module, "mtp_pad_token_id", None)
+    pad = hook() if callable(hook) else None
+    return int(pad) if pad is not None else None

@@ -14,9 +14,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-PAD = -1
-"""Fills the outputs after a row's last token (never a valid token id)."""
-
 
 @dataclass
 class DecodeState:

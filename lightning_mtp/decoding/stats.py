@@ -95,14 +95,22 @@ class DecodeStats:
 
 @dataclass
 class GenerateOutput:
-    """Result of :func:`generate`. Padding is ``-1`` (never a token id)."""
+    """Result of :func:`generate`, laid out as ``transformers``' ``generate`` returns it.
+
+    B is the batch, L the width of ``input_ids`` and N the most new tokens any row generated (≤ ``max_new_tokens``).
+    ``pad_token_id`` is the ``pad_token_id`` the call resolved (see :class:`GenerationConfig`); padding is never
+    ``-1``, so ``tokenizer.batch_decode(out.sequences, skip_special_tokens=True)`` gives prompt + completion.
+    """
 
     sequences: Tensor
-    """(B, S) each row's prompt followed by its new tokens, right-padded."""
+    """(B, L + N) ``input_ids`` exactly as given (left padding stays left, right padding stays in place: a
+    right-padded row's new tokens start after column L, past its padding), then each row's new tokens; a row that
+    stopped early (EOS) is padded on the right with ``pad_token_id``. ``sequences[:, L:]`` equals ``new_tokens``."""
     new_tokens: Tensor
-    """(B, N) each row's generated tokens (EOS included), right-padded; N = the longest row's count."""
+    """(B, N) each row's generated tokens (EOS included), right-padded with ``pad_token_id``."""
     num_new_tokens: Tensor
-    """(B,) generated tokens per row."""
+    """(B,) generated tokens per row: ``new_tokens[b, :num_new_tokens[b]]`` is row b's completion (the ragged view)."""
     prompt_lengths: Tensor
-    """(B,) prompt tokens per row."""
+    """(B,) prompt tokens per row (ones in ``attention_mask``; L without a mask)."""
     stats: DecodeStats
+    """Forward passes, per-depth acceptance, tau and tokens/s of the call."""

@@ -30,6 +30,12 @@ class MTPHostContract:
             "training_step; hosts with their own training_step call compute_mtp_loss(hidden, input_ids) instead"
         )
 
+    def mtp_pad_token_id(self) -> Optional[int]:
+        """Pad id that ``generate`` writes after a row's EOS in ``sequences`` when no ``pad_token_id`` is given:
+        the pad id of the tokenizer the weights were trained with (``mtp_tokenizer``), else ``None`` (then EOS)."""
+        record = getattr(self, "mtp_tokenizer", None)
+        return (record or {}).get("pad_id")
+
     def mtp_block_spec(self) -> dict:
         """Shape of each MTP block: ``dim``, ``n_heads``, ``n_kv_heads``, ``mlp_hidden``, ``eps``, ``max_positions``.
 

@@ -311,6 +311,14 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         cfg = self.trunk.config.get_text_config()
         return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 4096)
 
+    def mtp_pad_token_id(self) -> Optional[int]:
+        """The checkpoint tokenizer's pad id, else the model's own ``generation_config.pad_token_id``."""
+        own = super().mtp_pad_token_id()
+        if own is not None:
+            return own
+        generation = getattr(self.trunk, "generation_config", None)
+        return getattr(generation, "pad_token_id", None)
+
     def mtp_max_sequence_length(self) -> int:
         return self.max_positions
 
