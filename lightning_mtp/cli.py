@@ -2,9 +2,15 @@
 
 Example::
 
-    lightning-mtp fit --config configs/quickstart.yaml
+    lightning-mtp fit --config quickstart                  # a bundled config, by name
     lightning-mtp fit --config configs/mtp.yaml --model.init_args.mtp.depth 2
-    lightning-mtp predict --config configs/predict.yaml --ckpt_path outputs/quickstart/checkpoints/last.ckpt
+    lightning-mtp predict --config predict --ckpt_path outputs/quickstart/checkpoints/last.ckpt
+    lightning-mtp fit --model.help CausalLM                # every init argument, MTPConfig's fields included
+
+``--config NAME`` takes a file, or, when no file of that name exists, a config bundled with the package (the
+repository's ``configs/``, shipped in the wheel as ``lightning_mtp/configs``). Our classes go by their short names
+(``CausalLM``, ``TextDataModule``, ``MTPDepthWarmup``, ``PredictionWriter``). The bundled models configure their own
+optimizer, so LightningCLI's ``--optimizer`` / ``--lr_scheduler`` are refused (:data:`OPTIMIZATION`).
 
 With a checkpoint (``--ckpt_path``, or ``--model.init_args.init_from`` for a new fit) the model's architecture and
 the tokenizer come from it; a setting given in a config file or as a flag that contradicts the checkpoint is refused
@@ -15,27 +21,50 @@ the tokenizer come from it; a setting given in a config file or as a flag that c
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Any, Optional
 
 import lightning as L
+import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 
+# Imported for their classes: jsonargparse resolves a short class name (``--model.help CausalLM``,
+# ``class_path: MTPDepthWarmup``) among the subclasses that are imported when it parses.
+import lightning_mtp.callbacks  # noqa: F401
+import lightning_mtp.data  # noqa: F401
+import lightning_mtp.decoding  # noqa: F401
+import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint
+from lightning_mtp.cli_configs import bundled_configs, resolve_config_args
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
+from lightning_mtp.cli_help import document_fields, print_nested_help
 
 EVALUATING = ("predict", "validate", "test")
 WEIGHT_SOURCES = ("init_from", "pretrained", "mtp_heads")
 """Model init arguments that load weights (besides ``--ckpt_path``)."""
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+OPTIMIZATION = (
+    "the bundled models (CausalLM, HFCausalLM) build their optimizer themselves: AdamW with decoupled weight decay "
+    "on matrices, linear warmup then cosine decay; set --model.init_args.learning_rate, "
+    "--model.init_args.weight_decay and --model.init_args.warmup_steps (a module of your own configures its "
+    "optimizer in configure_optimizers)"
+)
+"""Why ``--optimizer`` / ``--lr_scheduler`` are refused, and what to set instead."""
 
 
 class MTPLightningCLI(LightningCLI):
     """LightningCLI whose model and data are chosen by ``class_path`` in the config (any MTP host, any data)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        for action in parser._actions:  # LightningCLI's own --config: say that it takes the bundled names too
+            if action.dest == "config":
+                action.help = (f"a config file (yaml or json), or the name of a bundled config: "
+                               f"{', '.join(bundled_configs())}")
         parser.add_argument(
             "--random_weights", type=bool, default=False,
             help="predict/validate/test with freshly initialised weights when no --ckpt_path (or init_from, "
@@ -43,9 +72,18 @@ class MTPLightningCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        self._raw_args = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(
-            args, dict) else []
-        super().parse_arguments(parser, args)
+        if isinstance(args, (dict, Namespace)):
+            self._raw_args: list[str] = []
+            self.config = parser.parse_object(args)
+            return
+        self._raw_args = resolve_config_args([str(a) for a in (sys.argv[1:] if args is None else args)])
+        refuse_optimizer_settings(self._raw_args)
+        try:
+            self.config = parser.parse_args(self._raw_args)
+        except SystemExit as done:
+            if done.code in (0, None):
+                print_nested_help(parser, self._raw_args)
+            raise
 
     # ----------------------------------------------------------------- checkpoint settings
     def _parse_ckpt_path(self) -> None:
@@ -136,10 +174,22 @@ class MTPLightningCLI(LightningCLI):
             self.datamodule.use_tokenizer(tokenizer_from_spec(record))
 
 
+# --------------------------------------------------------------------- bundled configs
+def refuse_optimizer_settings(args: list[str]) -> None:
+    """Raise ``ValueError`` when a flag or a ``--config`` file sets LightningCLI's ``optimizer`` / ``lr_scheduler``."""
+    try:
+        given = ckpt_rules.given_keys(args, ckpt_rules.config_files(args))
+    except (OSError, yaml.YAMLError):
+        return  # an unreadable config: the parser reports it
+    for key in sorted(given):
+        parts = key.split(".")
+        parts = parts[1:] if parts[0] in SUBCOMMANDS else parts  # a top-level config: ``fit: {optimizer: ...}``
+        if parts and parts[0] in ("optimizer", "lr_scheduler"):
+            raise ValueError(f"--{parts[0]} is not supported: {OPTIMIZATION}")
+
+
 def _qualified(class_path: str) -> str:
     """``lightning_mtp.data.TextDataModule`` -> ``lightning_mtp.data.datamodule.TextDataModule`` (its definition)."""
-    import importlib
-
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -149,6 +199,7 @@ def _qualified(class_path: str) -> str:
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    document_fields()
     try:
         MTPLightningCLI(
             L.LightningModule,

@@ -27,7 +27,8 @@ LAYERS = [
     ("lightning_mtp.mixin",),
     ("lightning_mtp.callbacks", "lightning_mtp.strategies", "lightning_mtp.optim"),
     ("lightning_mtp.models",),
-    ("lightning_mtp.cli", "lightning_mtp.cli_checkpoint", "lightning_mtp.cli_errors"),
+    ("lightning_mtp.cli", "lightning_mtp.cli_checkpoint", "lightning_mtp.cli_configs", "lightning_mtp.cli_errors",
+     "lightning_mtp.cli_help"),
 ]
 
 
