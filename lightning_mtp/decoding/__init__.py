@@ -20,6 +20,7 @@ from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logit
 from lightning_mtp.decoding.speculative import decode, generate
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import accept_typical
+from lightning_mtp.decoding.uncached_host import UncachedHost
 
 __all__ = [
     "CausalLMHost",
@@ -32,6 +33,7 @@ __all__ = [
     "MTPDrafter",
     "PredictionWriter",
     "SamplingParams",
+    "UncachedHost",
     "accept_typical",
     "choose_tokens",
     "decode",

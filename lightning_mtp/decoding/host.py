@@ -1,14 +1,17 @@
-"""What the decoder needs from the model that verifies: a cached trunk forward and its next-token logits.
+"""What the decoder needs from the model that verifies: a trunk forward over a positional state, and its logits.
 
-:class:`DecodingHost` is the whole contract. The decoder addresses the cache by position: a forward writes the keys of
-``input_ids`` at ``positions`` (per row, so batches may be ragged) and a query at position p may only see slots
-0..p. Rejected drafts are therefore never read again and are overwritten by the next accepted tokens, and
+:class:`DecodingHost` is the whole contract; its state is usually a KV cache. The decoder addresses the state by
+position: a forward writes the keys of ``input_ids`` at ``positions`` (per row, so batches may be ragged) and a query
+at position p may only see slots 0..p. Every row starts at position 0 (prefill runs positions 0..P-1 of all rows, the
+shorter prompts right-padded), and each later forward writes a row's positions contiguously from its current length
+on. Rejected drafts are therefore never read again and are overwritten by the next accepted tokens, and
 :meth:`DecodingHost.rollback` is only told the new per-row lengths (a no-op for a static positional cache; a host
 with a growing cache, e.g. Hugging Face's ``DynamicCache``, crops it there).
 
-:func:`decoding_host` picks the host of a module: ``module.mtp_decoding_host()`` when the module defines it, else
-the adapter of the bundled :class:`~lightning_mtp.models.CausalLM` (any module with ``allocate_kv_caches``,
-``logits`` and ``max_context``).
+:func:`decoding_host` picks the host of a module: ``module.mtp_decoding_host()`` when it returns one, else the
+adapter of the bundled :class:`~lightning_mtp.models.CausalLM` (any module with ``allocate_kv_caches``, ``logits``
+and ``max_context``), else :class:`~lightning_mtp.decoding.uncached_host.UncachedHost`, which any ``MTPMixin`` module
+gets from the mixin's own methods: correct but without a cache (a one-time warning says how to go faster).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from lightning_mtp.decoding.uncached_host import UncachedHost, warn_uncached
 
 
 @runtime_checkable
@@ -67,7 +72,8 @@ class CausalLMHost:
 
 
 def decoding_host(module: nn.Module) -> DecodingHost:
-    """The :class:`DecodingHost` of ``module``: its ``mtp_decoding_host()``, or the CausalLM adapter."""
+    """The :class:`DecodingHost` of ``module``: its ``mtp_decoding_host()``, the CausalLM adapter, or the uncached
+    host of an ``MTPMixin`` module (see the module docstring)."""
     custom = getattr(module, "mtp_decoding_host", None)
     if callable(custom):
         host = custom()
@@ -75,11 +81,13 @@ def decoding_host(module: nn.Module) -> DecodingHost:
             return host
     if all(hasattr(module, name) for name in ("allocate_kv_caches", "logits", "max_context")):
         return CausalLMHost(module)
+    if callable(getattr(module, "mtp_trunk_hidden_states", None)):
+        warn_uncached(module)
+        return UncachedHost(module)
     raise TypeError(
-        f"{type(module).__name__} cannot decode: define mtp_decoding_host() returning a "
-        "lightning_mtp.decoding.DecodingHost (allocate, forward, main_logits, rollback, vocab_size, max_context), "
-        "or provide allocate_kv_caches(batch, max_len), forward(input_ids, positions, caches), logits(hidden) and "
-        "max_context like lightning_mtp.models.CausalLM"
+        f"{type(module).__name__} cannot decode: it is not an MTPMixin module (no mtp_trunk_hidden_states); define "
+        "mtp_decoding_host() returning a lightning_mtp.decoding.DecodingHost (allocate, forward, main_logits, "
+        "rollback, vocab_size, max_context)"
     )
 
 

@@ -240,7 +240,8 @@ def generate(
 
     Args:
         module: an :class:`~lightning_mtp.MTPMixin` module with a :class:`~lightning_mtp.decoding.DecodingHost`
-            (the bundled ``CausalLM``, or any module defining ``mtp_decoding_host()``).
+            (the bundled ``CausalLM``, any module defining ``mtp_decoding_host()``, or any ``MTPMixin`` module
+            through the uncached default host).
         input_ids: (B, L) prompt token ids.
         max_new_tokens: tokens to generate per row (≥ 1); prompt + max_new_tokens must fit the model's context.
         temperature: 0 = greedy, else sampling from softmax(logits / temperature).

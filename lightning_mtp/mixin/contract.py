@@ -60,15 +60,17 @@ class MTPHostContract:
         return LogitTransform()
 
     def mtp_decoding_host(self):
-        """A :class:`lightning_mtp.decoding.DecodingHost` for :meth:`generate`; ``None`` uses the CausalLM adapter.
+        """A :class:`lightning_mtp.decoding.DecodingHost` for :meth:`generate`.
 
-        Hosts whose trunk keeps its own KV cache (e.g. Hugging Face models) return an adapter here.
+        ``None``: the bundled ``CausalLM``'s adapter, else :class:`lightning_mtp.decoding.UncachedHost` (no cache:
+        each step re-runs ``mtp_trunk_hidden_states``; warned once per class). Return a host with a cache to decode
+        faster (README, "Add MTP to your own module"); Hugging Face models return one over their own cache.
         """
         return None
 
     def mtp_max_sequence_length(self) -> Optional[int]:
-        """Longest training sequence the host supports (``None``: unknown); ``--data.seq_len`` is checked against it
-        before training starts."""
+        """Longest sequence the host supports (``None``: unknown). ``--data.seq_len`` is checked against it before
+        training starts; minus the MTP depth, it bounds prompt + new tokens when decoding through the uncached host."""
         return None
 
     def mtp_context_flag(self) -> str:
