@@ -81,7 +81,9 @@ def head_cross_entropy(
     vocab = full_shape(weight)[0] if weight is not None else head.out_features
     chunk_size = chunk_size or default_chunk_size(num_rows, hidden.shape[1], vocab)
     weights = resolve_row_weights(targets, row_weights, ignore_index)  # (N,)
-    recompute = torch.is_grad_enabled()
+    # Checkpoint only when backward will run: under no_grad/inference_mode (validation), or with a frozen trunk and
+    # head, each chunk is a plain forward and its logits are freed at once.
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     losses, row_losses, row_argmax = [], [], []
     for start in range(0, num_rows, chunk_size):
         end = min(start + chunk_size, num_rows)

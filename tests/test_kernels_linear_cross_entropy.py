@@ -16,6 +16,10 @@ bf16 is checked on GPU only (``gpu`` marker): dlogits are stored in bf16 by the 
 gradients there agree to bf16 precision.
 """
 
+import contextlib
+import importlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +30,20 @@ import lightning_mtp.kernels as kernels
 from lightning_mtp.kernels import linear_cross_entropy, linear_cross_entropy_torch
 from lightning_mtp.kernels.linear_cross_entropy import linear_cross_entropy_triton
 from lightning_mtp.kernels.linear_cross_entropy_torch import scale_and_cap
+from lightning_mtp.zero import head_cross_entropy
 
 ATOL, RTOL = 1e-5, 5e-4
+
+# benchmarks/memory.py: peak CPU tensor memory from the C allocator (benchmarks/ is not a package)
+_spec = importlib.util.spec_from_file_location(
+    "benchmarks_memory", Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
+)
+_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_memory)
+PeakMemory = _memory.PeakMemory
+# The submodules share their names with functions of the package (kernels/__init__.py): import them by full name.
+twin_module = importlib.import_module("lightning_mtp.kernels.linear_cross_entropy_torch")
+kernel_module = importlib.import_module("lightning_mtp.kernels.linear_cross_entropy")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
@@ -161,6 +177,119 @@ def test_forced_triton_on_cpu_under_interpreter(monkeypatch):
     monkeypatch.setenv("LIGHTNING_MTP_KERNELS", "triton")  # the environment forces it too
     linear_cross_entropy(hidden, weight, targets, row_weights, -100, 4)
     assert called == [1, 1]
+
+
+# ---- no gradient work when autograd will not run (validation under no_grad / inference_mode) ----
+
+# Shapes where the buffers tell themselves apart, and few rows and vocabulary tiles (the interpreter runs one program
+# per row, 64 vocabulary entries at a time). WIDE: the (V, H) fp32 weight gradient is 8 MiB, a chunk of logits 4 KiB,
+# so a forward's peak allocation is far below V × H × 4 bytes. TALL: the (N, H) hidden gradient is 4 MiB, the weight
+# gradient 256 KiB.
+WIDE = dict(n=8, h=8192, v=256, chunk=4)
+TALL = dict(n=64, h=16384, v=4, chunk=32)
+NO_GRAD_CONTEXTS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+def peak_call(fn, hidden, weight, targets, chunk, context=contextlib.nullcontext, **kwargs):
+    """``fn``'s output and the peak bytes it allocated (on CPU, from the C allocator)."""
+    fn(hidden, weight, targets, None, -100, chunk, **kwargs)  # warm-up: lazy buffers (interpreter, BLAS) don't count
+    with context(), PeakMemory() as peak:
+        out = fn(hidden, weight, targets, None, -100, chunk, **kwargs)
+    return out, peak.peak_bytes
+
+
+def assert_forward_only_without_grad(fn, context, **transform):
+    hidden, weight, targets, _ = make_inputs(WIDE["n"], WIDE["h"], WIDE["v"], ignored=(3,), seed=8)
+    hidden, weight = hidden.requires_grad_(), torch.nn.Parameter(weight)  # a Parameter stays requires_grad=True
+    weight_grad_bytes = weight.numel() * 4
+    out, peak = peak_call(fn, hidden, weight, targets, WIDE["chunk"], NO_GRAD_CONTEXTS[context], **transform)
+    assert peak < weight_grad_bytes / 4, f"peak {peak} B: a gradient buffer was allocated under {context}"
+    assert not out.loss.requires_grad
+    with_grad, grad_peak = peak_call(fn, hidden, weight, targets, WIDE["chunk"], **transform)
+    assert grad_peak >= weight_grad_bytes  # the observable tells the two apart: the fp32 weight gradient
+    assert torch.equal(out.loss, with_grad.loss.detach())
+    assert torch.equal(out.row_loss, with_grad.row_loss) and torch.equal(out.row_argmax, with_grad.row_argmax)
+
+
+def assert_only_wanted_gradient(fn, grads):
+    """Only ``hidden`` requires grad: no (V, H) weight-gradient buffer; only ``weight``: no (N, H) hidden one."""
+    shape = WIDE if grads == "hidden" else TALL
+    hidden, weight, targets, row_weights = make_inputs(shape["n"], shape["h"], shape["v"], ignored=(1,), seed=9)
+    h, w = hidden.clone().requires_grad_(grads == "hidden"), weight.clone().requires_grad_(grads == "weight")
+    out, peak = peak_call(fn, h, w, targets, shape["chunk"])
+    unwanted = (weight if grads == "hidden" else hidden).numel() * 4
+    assert peak < unwanted / 4, f"peak {peak} B: the gradient of the input that does not require grad was computed"
+    out.loss.backward()
+    _, reference_hidden, reference_weight = run(fn, hidden, weight, targets, None, shape["chunk"], grad_scale=1.0)
+    leaf, other, reference = (h, w, reference_hidden) if grads == "hidden" else (w, h, reference_weight)
+    assert other.grad is None
+    torch.testing.assert_close(leaf.grad, reference, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("context", list(NO_GRAD_CONTEXTS))
+def test_twin_without_grad_is_forward_only(context, monkeypatch):
+    scored = []
+    score_chunk = twin_module._score_chunk
+    monkeypatch.setattr(twin_module, "_score_chunk", lambda *a: scored.append(a[-1]) or score_chunk(*a))
+    with NO_GRAD_CONTEXTS[context]():
+        linear_cross_entropy_torch(*make_inputs(9, 8, 50)[:3], chunk_size=4)
+    assert scored == [False, False, False]  # no chunk computed d(logits)
+    monkeypatch.undo()
+    assert_forward_only_without_grad(linear_cross_entropy_torch, context)
+    assert_forward_only_without_grad(linear_cross_entropy_torch, context, logit_scale=0.5, softcap=2.0)
+    assert_forward_only_without_grad(linear_cross_entropy, context, backend="torch")  # the dispatcher
+
+
+@pytest.mark.parametrize("grads", ["hidden", "weight"])
+def test_twin_computes_only_the_wanted_gradient(grads):
+    assert_only_wanted_gradient(linear_cross_entropy_torch, grads)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("context", list(NO_GRAD_CONTEXTS))
+def test_kernel_without_grad_is_forward_only(context, monkeypatch):
+    launched = []
+    monkeypatch.setattr(kernel_module, "fused_chunked_pass",
+                        lambda *a, pass_=kernel_module.fused_chunked_pass: launched.append(a[6:8]) or pass_(*a))
+    with NO_GRAD_CONTEXTS[context]():
+        linear_cross_entropy_triton(*make_inputs(9, 8, 50)[:3], chunk_size=4)
+    assert launched == [(False, False)]  # COMPUTE_GRAD=False: no d(logits), no gradient buffer
+    monkeypatch.undo()
+    assert_forward_only_without_grad(linear_cross_entropy_triton, context)
+    assert_forward_only_without_grad(linear_cross_entropy_triton, context, logit_scale=0.5, softcap=2.0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("grads", ["hidden", "weight"])
+def test_kernel_computes_only_the_wanted_gradient(grads):
+    assert_only_wanted_gradient(linear_cross_entropy_triton, grads)
+
+
+@pytest.mark.parametrize("context", list(NO_GRAD_CONTEXTS))
+def test_zero3_head_path_without_grad_is_a_plain_forward(context, monkeypatch):
+    # The ZeRO-3 path (head module calls) checkpoints each chunk only when backward will run.
+    import lightning_mtp.zero as zero
+
+    hidden, weight, targets, _ = make_inputs(WIDE["n"], WIDE["h"], WIDE["v"], ignored=(3,), seed=8)
+    head = torch.nn.Linear(WIDE["h"], WIDE["v"], bias=False)
+    head.weight.data.copy_(weight)
+    hidden.requires_grad_()
+    checkpointed = []
+    checkpoint = zero.checkpoint
+    monkeypatch.setattr(zero, "checkpoint", lambda *a, **kw: checkpointed.append(1) or checkpoint(*a, **kw))
+    call = lambda: head_cross_entropy(hidden, head, targets, chunk_size=WIDE["chunk"])  # noqa: E731
+    with NO_GRAD_CONTEXTS[context]():
+        out = call()
+        with PeakMemory() as peak:
+            call()
+    assert checkpointed == [] and not out.loss.requires_grad
+    assert peak.peak_bytes < weight.numel()  # a quarter of the fp32 weight gradient
+    with_grad = call()
+    assert len(checkpointed) == 2  # one per chunk
+    assert torch.equal(out.row_argmax, with_grad.row_argmax)
+    torch.testing.assert_close(out.loss, with_grad.loss.detach(), atol=ATOL, rtol=RTOL)
+    reference = linear_cross_entropy_torch(hidden.detach(), weight, targets, chunk_size=WIDE["chunk"])
+    torch.testing.assert_close(out.row_loss, reference.row_loss, atol=ATOL, rtol=RTOL)
 
 
 # ---- logit scaling and soft-capping against materialised logits ----

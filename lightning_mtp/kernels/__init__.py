@@ -15,6 +15,10 @@ values, default ``auto``), and then CUDA tensors use the Triton kernel and anyth
 ``RuntimeError``. Importing this package never needs a GPU: the kernel modules import ``triton.language`` only if it
 is installed (guarded) and build their kernels on first launch.
 
+``linear_cross_entropy`` computes its gradients during the forward, and only those that backward will ask for: grad
+mode on and the input requiring grad (``grads_wanted``). Under ``torch.no_grad()`` or ``torch.inference_mode()``
+(validation, with the head's weight still a ``requires_grad`` Parameter) both backends run the forward alone.
+
 Note: the submodule ``lightning_mtp.kernels.linear_cross_entropy`` shares its name with the dispatcher function, and
 the function wins as the package attribute. Use ``from lightning_mtp.kernels.linear_cross_entropy import ...`` (which
 goes through ``sys.modules``) rather than ``import lightning_mtp.kernels.linear_cross_entropy as m``.

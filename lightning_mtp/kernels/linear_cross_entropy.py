@@ -14,6 +14,8 @@ Same signature and outputs as :func:`~lightning_mtp.kernels.linear_cross_entropy
    depths sharing the head go through one call).
 
 Backward only scales the stored gradients by the incoming gradient. Ignored rows have weight 0: loss 0, no gradient.
+Only the gradients backward will ask for are computed (the twin's ``grads_wanted``): under ``no_grad`` or
+``inference_mode`` the kernel runs without its second pass and no gradient buffer is allocated.
 Targets must be in ``[0, V)`` or equal ``ignore_index`` (not checked, to avoid a device sync).
 
 Example (CUDA tensors; CPU tensors work under ``TRITON_INTERPRET=1``, slowly)::
@@ -37,6 +39,7 @@ from lightning_mtp.kernels.linear_cross_entropy_torch import (
     LinearCrossEntropyOutput,
     check_logit_transform,
     default_chunk_size,
+    grads_wanted,
     resolve_row_weights,
 )
 
@@ -169,6 +172,7 @@ def fused_chunked_pass(
 ):
     """One chunked sweep: ``(row_loss (N,) fp32, row_argmax (N,) int64, grad_hidden | None, grad_weight fp32 | None)``.
 
+    Without either gradient wanted it is the forward alone (``COMPUTE_GRAD=False``: no d(logits), no gradient buffer).
     ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows). Inputs must be contiguous. The loss,
     argmax and gradients are those of the logits scaled by ``logit_scale`` and capped by ``softcap``.
     """
@@ -211,11 +215,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Gradients are computed in forward (no logits kept); backward only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap):
-        # hidden (N, H), weight (V, H), targets (N,) int64, row_weights (N,) fp32 already zero on ignored rows
+    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap,
+                grad_hidden_wanted, grad_weight_wanted):
+        # hidden (N, H), weight (V, H), targets (N,) int64, row_weights (N,) fp32 already zero on ignored rows. The two
+        # flags come from grads_wanted(): ctx.needs_input_grad cannot tell whether backward will run.
         row_loss, row_argmax, grad_hidden, grad_weight = fused_chunked_pass(
-            hidden, weight, targets, row_weights, ignore_index, chunk_size, *ctx.needs_input_grad[:2], logit_scale,
-            softcap,
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, grad_hidden_wanted, grad_weight_wanted,
+            logit_scale, softcap,
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -229,7 +235,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_triton(
@@ -259,14 +265,15 @@ def linear_cross_entropy_triton(
     check_triton_usable(hidden, weight, targets, row_weights)
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index).contiguous()
+    args = (hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), weights, int(ignore_index),
+            int(chunk_size))
+    transform = (float(logit_scale), None if softcap is None else float(softcap))
+    grad_hidden_wanted, grad_weight_wanted = grads_wanted(hidden, weight)
+    if not (grad_hidden_wanted or grad_weight_wanted):  # validation, inference, a frozen head and trunk
+        with torch.no_grad():  # not differentiable w.r.t. row_weights on either path
+            row_loss, row_argmax, _, _ = fused_chunked_pass(*args, False, False, *transform)
+            return LinearCrossEntropyOutput((row_loss * weights).sum(), row_loss, row_argmax)
     loss, row_loss, row_argmax = FusedLinearCrossEntropyFunction.apply(
-        hidden.contiguous(),
-        weight.contiguous(),
-        targets.long().contiguous(),
-        weights,
-        int(ignore_index),
-        int(chunk_size),
-        float(logit_scale),
-        None if softcap is None else float(softcap),
+        *args, *transform, grad_hidden_wanted, grad_weight_wanted
     )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)

@@ -3,7 +3,9 @@
 The [tokens × vocab] logits never exist for more than ``chunk_size`` rows at a time. Gradients of the hidden states
 and of the output weight are computed chunk by chunk in the forward pass (as Liger-Kernel does), so backward only
 scales them by the incoming gradient: no logits are kept for backward and no forward is recomputed. All depths that
-share one head go through one call, so a single fp32 weight-gradient buffer serves them all.
+share one head go through one call, so a single fp32 weight-gradient buffer serves them all. Only the gradients that
+backward will ask for are computed (:func:`grads_wanted`): under ``no_grad``/``inference_mode`` (validation) the call
+is the forward alone, with no weight-gradient buffer and no d(logits).
 
 Hosts whose forward transforms the head's output (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, Gemma-2's
 ``final_logit_softcapping``) are scored on the transformed logits y = cap · tanh(s · z / cap) (y = s · z without a
@@ -134,33 +136,70 @@ def _score_chunk(
     return row_loss, row_argmax, grad
 
 
+def grads_wanted(hidden: Tensor, weight: Tensor) -> tuple[bool, bool]:
+    """Whether backward will want the gradient of ``hidden`` and of ``weight``: grad mode is on and the tensor
+    requires grad (Liger-Kernel keys on the input's ``requires_grad`` the same way).
+
+    Decided before ``Function.apply``: inside ``forward`` grad mode is always off, and ``ctx.needs_input_grad`` stays
+    True for Parameters under ``no_grad``/``inference_mode``, which made validation compute the head's weight gradient.
+    """
+    if not torch.is_grad_enabled():
+        return False, False
+    return hidden.requires_grad, weight.requires_grad
+
+
+def chunked_pass(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Tensor,
+    ignore_index: int,
+    chunk_size: int,
+    grad_hidden_wanted: bool,
+    grad_weight_wanted: bool,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    overwrite_hidden: bool = False,
+) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """One chunked sweep: ``(row_loss (N,) fp32, row_argmax (N,) int64, grad_hidden | None, grad_weight fp32 | None)``.
+
+    Without either gradient wanted it is the forward alone: one chunk of logits at a time, no gradient buffer and
+    no d(logits). ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows).
+    """
+    num_rows = hidden.shape[0]
+    row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
+    row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
+    if grad_hidden_wanted:
+        # A scratch copy of the hidden states (a concatenation of depths) receives its own gradient, row chunk
+        # by row chunk once the chunk has been used: one (N, H) buffer instead of two.
+        grad_hidden = hidden if overwrite_hidden else torch.empty_like(hidden)
+    else:
+        grad_hidden = None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_weight_wanted else None
+    for start in range(0, num_rows, chunk_size):
+        end = min(start + chunk_size, num_rows)
+        h = hidden[start:end]  # (c, H)
+        row_loss[start:end], row_argmax[start:end], grad_logits = _score_chunk(
+            h, weight, targets[start:end], row_weights[start:end], ignore_index, logit_scale, softcap,
+            grad_hidden_wanted or grad_weight_wanted,
+        )
+        if grad_weight_wanted:  # before the hidden rows may be overwritten by their gradient
+            grad_weight.addmm_(grad_logits.t(), h.float())
+        if grad_hidden_wanted:
+            grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+    return row_loss, row_argmax, grad_hidden, grad_weight
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, overwrite_hidden, logit_scale,
-                softcap):
-        # hidden (N, H), weight (V, H), targets (N,), row_weights (N,) fp32, already zero on ignored rows
-        num_rows = hidden.shape[0]
-        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
-        row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
-        if needs_hidden_grad:
-            # A scratch copy of the hidden states (a concatenation of depths) receives its own gradient, row chunk
-            # by row chunk once the chunk has been used: one (N, H) buffer instead of two.
-            grad_hidden = hidden if overwrite_hidden else torch.empty_like(hidden)
-        else:
-            grad_hidden = None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
-        for start in range(0, num_rows, chunk_size):
-            end = min(start + chunk_size, num_rows)
-            h = hidden[start:end]  # (c, H)
-            row_loss[start:end], row_argmax[start:end], grad_logits = _score_chunk(
-                h, weight, targets[start:end], row_weights[start:end], ignore_index, logit_scale, softcap,
-                needs_hidden_grad or needs_weight_grad,
-            )
-            if needs_weight_grad:  # before the hidden rows may be overwritten by their gradient
-                grad_weight.addmm_(grad_logits.t(), h.float())
-            if needs_hidden_grad:
-                grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+                softcap, grad_hidden_wanted, grad_weight_wanted):
+        # hidden (N, H), weight (V, H), targets (N,), row_weights (N,) fp32, already zero on ignored rows. The two
+        # flags come from grads_wanted(): ctx.needs_input_grad cannot tell whether backward will run.
+        row_loss, row_argmax, grad_hidden, grad_weight = chunked_pass(
+            hidden, weight, targets, row_weights, ignore_index, chunk_size, grad_hidden_wanted, grad_weight_wanted,
+            logit_scale, softcap, overwrite_hidden,
+        )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype, ctx.consumed = weight.dtype, False
         ctx.mark_non_differentiable(row_loss, row_argmax)
@@ -177,7 +216,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_torch(
@@ -217,7 +256,15 @@ def linear_cross_entropy_torch(
     chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
     weights = resolve_row_weights(targets, row_weights, ignore_index)
     logit_scale, softcap = float(logit_scale), (None if softcap is None else float(softcap))
+    grad_hidden_wanted, grad_weight_wanted = grads_wanted(hidden, weight)
+    if not (grad_hidden_wanted or grad_weight_wanted):  # validation, inference, a frozen head and trunk
+        with torch.no_grad():  # not differentiable w.r.t. row_weights on either path
+            row_loss, row_argmax, _, _ = chunked_pass(
+                hidden, weight, targets, weights, ignore_index, chunk_size, False, False, logit_scale, softcap
+            )
+            return LinearCrossEntropyOutput((row_loss * weights).sum(), row_loss, row_argmax)
     loss, row_loss, row_argmax = _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap
+        hidden, weight, targets, weights, ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap,
+        grad_hidden_wanted, grad_weight_wanted,
     )
     return LinearCrossEntropyOutput(loss, row_loss, row_argmax)
