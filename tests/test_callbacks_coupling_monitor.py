@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassCalibrationError
 
 from lightning_mtp import MTPConfig
-from lightning_mtp.callbacks import MTPCouplingMonitor, teacher_forced_acceptance
+from lightning_mtp.callbacks import AcceptanceStats, MTPCouplingMonitor, teacher_forced_acceptance
 from lightning_mtp.models import CausalLM, ModelConfig
 
 try:
@@ -225,3 +225,32 @@ def test_teacher_forced_tau_is_within_10_percent_of_decoding():
         assert float(tokens / steps) == pytest.approx(out.stats.tau, rel=0.05)  # val/mtp/tau_walk_draft{n}
         # The per-position chained acceptance is exactly decoding's: replaying decoding on it gives its τ.
         assert math.isclose(decoding_walk(stats, drafts), out.stats.tau, rel_tol=1e-9)
+
+
+def walk_step_by_step(stats, drafts):
+    """(tokens, steps) of the decoding walks from every position, one step at a time."""
+    emitted = (1 + stats.leading_matches(drafts)).tolist()
+    valid = stats.valid[drafts - 1].tolist()
+    tokens = steps = 0
+    for row_emitted, row_valid in zip(emitted, valid):
+        for start in range(len(row_emitted)):
+            i = start
+            while i < len(row_emitted) and row_valid[i]:
+                tokens, steps, i = tokens + row_emitted[i], steps + 1, i + row_emitted[i]
+    return tokens, steps
+
+
+def test_tau_walk_equals_the_step_by_step_walk_on_random_outcomes():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        depth, batch = 1 + trial % 4, 1 + trial % 3
+        length = depth + 2 + int(torch.randint(0, 40, (1,), generator=generator))
+        accept_rate, valid_rate = (trial % 5) / 4, 1 - (trial % 3) / 4  # never, sometimes, always accepted
+        accept = [torch.rand(batch, length - k - 1, generator=generator) < accept_rate for k in range(1, depth + 1)]
+        chained = [accept[0]]
+        for k in range(1, depth):
+            chained.append(chained[-1][:, : length - k - 2] & accept[k])
+        valid = [torch.rand(batch, length - k - 1, generator=generator) < valid_rate for k in range(1, depth + 1)]
+        stats = AcceptanceStats(accept, chained, valid, [], [], [], [])
+        for drafts in range(1, depth + 1):
+            assert tuple(int(x) for x in stats.tau_walk(drafts)) == walk_step_by_step(stats, drafts)

@@ -102,3 +102,37 @@ def test_setup_rejects_non_mtp_modules_and_state_defaults():
     calibration.load_state_dict({})
     assert calibration.fits == 0
     assert calibration.state_key != MTPDraftCalibration(grid_size=9).state_key
+
+
+def per_temperature_sums(betas, draft_logits, main_logits):
+    """(3, G) Σ f, f', f'' by their definitions, one β at a time, in float64."""
+    z = draft_logits.double()
+    p = torch.softmax(main_logits.double(), -1)
+    expected = (p * z).sum(-1)
+    sums = torch.zeros(3, betas.shape[0], dtype=torch.float64)
+    for g, beta in enumerate(betas.tolist()):
+        q = torch.softmax(beta * z, -1)
+        mean = (q * z).sum(-1)
+        sums[0, g] = (torch.logsumexp(beta * z, -1) - beta * expected).sum()
+        sums[1, g] = (mean - expected).sum()
+        sums[2, g] = (q * (z - mean[:, None]) ** 2).sum(-1).sum()
+    return sums
+
+
+@pytest.mark.parametrize("scale, vocab", [(0.3, 50), (3.0, 300), (40.0, 7)])  # 40: β·s far below exp's -80 floor
+def test_grid_sums_match_their_definitions(scale, vocab):
+    torch.manual_seed(2)
+    calibration = MTPDraftCalibration(grid_size=9)
+    calibration.reset(depth=1)
+    z = scale * torch.randn(70, vocab)
+    main = z + scale * torch.randn(70, vocab)
+    calibration.add_logits(1, z[:40], main[:40])
+    calibration.add_logits(1, z[40:], main[40:])  # the sums add up over calls
+    calibration.add_logits(1, z[:0], main[:0])  # no scored rows: nothing added
+    reference = per_temperature_sums(calibration.betas, z, main)
+    sums = calibration._sums[0]
+    # f and f'' against their own magnitude, f' (a difference of means, near 0 at the optimum) against the logits'
+    assert torch.allclose(sums[0], reference[0], rtol=1e-6, atol=1e-6 * 70)
+    assert torch.allclose(sums[1], reference[1], rtol=0, atol=2e-6 * 70 * scale)
+    assert torch.allclose(sums[2], reference[2], rtol=1e-5, atol=1e-9)
+    assert calibration._counts.tolist() == [70]

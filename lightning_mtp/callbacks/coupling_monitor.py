@@ -14,9 +14,9 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryCalibrationError
 from typing_extensions import override
 
-from lightning_mtp.callbacks._base import MTPCallback, check_int, require_mtp_module
+from lightning_mtp.callbacks._base import check_int, require_mtp_module
 from lightning_mtp.callbacks._teacher_forcing import (
-    batch_forward,
+    TeacherForcedCallback,
     scored_positions,
     sequence_logits,
     teacher_forced_forward,
@@ -64,20 +64,20 @@ class AcceptanceStats:
         emitted = 1 + self.leading_matches(draft_length)  # (B, L)
         valid = self.valid[draft_length - 1]
         batch, length = emitted.shape
-        position = torch.arange(length, device=emitted.device).expand(batch, length).clone()  # a walk per start
-        alive = valid.clone()
-        tokens = torch.zeros((), dtype=torch.long, device=emitted.device)
-        steps = torch.zeros((), dtype=torch.long, device=emitted.device)
-        for _ in range(length):  # every step advances at least one position
-            index = position.clamp(max=length - 1)
-            alive &= (position < length) & valid.gather(1, index)
-            if not bool(alive.any()):
-                break
-            step = emitted.gather(1, index)
-            tokens += (step * alive).sum()
-            steps += alive.sum()
-            position += step
-        return tokens, steps
+        # The walk from i visits i, after(i), after(after(i)), ... while positions are scored. Position L ends every
+        # walk: it emits nothing and leads to itself. Pointer jumping: after r rounds each position holds the sums
+        # of the first 2^r steps of its walk, and a walk has at most L steps.
+        # https://en.wikipedia.org/wiki/Pointer_jumping
+        start = torch.arange(length, device=emitted.device)
+        end = torch.full((batch, 1), length, dtype=torch.long, device=emitted.device)
+        after = torch.cat([torch.where(valid, (start + emitted).clamp(max=length), end), end], 1)  # (B, L+1)
+        tokens = torch.cat([emitted * valid, torch.zeros_like(end)], 1)  # (B, L+1)
+        steps = torch.cat([valid.long(), torch.zeros_like(end)], 1)
+        for _ in range(length.bit_length()):
+            tokens = tokens + tokens.gather(1, after)
+            steps = steps + steps.gather(1, after)
+            after = after.gather(1, after)
+        return tokens.sum(), steps.sum()
 
 
 def teacher_forced_acceptance(
@@ -97,30 +97,49 @@ def teacher_forced_acceptance(
         fwd: a :func:`teacher_forced_forward` of these tokens, when already computed.
     """
     fwd = fwd if fwd is not None else teacher_forced_forward(module, input_ids, labels)
-    labels = fwd.labels
-    depth = len(fwd.depth_hidden)
-    batch, length = labels.shape
-    temperatures = [float(t) for t in module.mtp_draft_temperatures]
-    main_argmax = labels.new_zeros(batch, length - 1)
-    argmax = [labels.new_zeros(batch, length - k - 1) for k in range(1, depth + 1)]
-    confidence = [torch.zeros(batch, length - k - 1, device=labels.device) for k in range(1, depth + 1)]
-    js = [torch.zeros(batch, length - k - 2, device=labels.device) for k in range(1, depth)]
+    outcomes = TeacherForcedOutcomes(module, fwd)
     for part, main, depths in sequence_logits(module, fwd, chunk_size):
-        main_argmax[part] = main.argmax(-1)
+        outcomes.add(part, main, depths)
+    return outcomes.stats()
+
+
+class TeacherForcedOutcomes:
+    """What :func:`teacher_forced_acceptance` gathers from a batch's logits, chunk by chunk: every depth's argmax and
+    draft confidence, the main model's argmax, and the JS divergence of adjacent depths."""
+
+    def __init__(self, module: MTPMixin, fwd: MTPForward) -> None:
+        self.labels = labels = fwd.labels
+        self.ignore_index = module.mtp_config.ignore_index
+        self.depth = depth = len(fwd.depth_hidden)
+        batch, length = labels.shape
+        self.temperatures = [float(t) for t in module.mtp_draft_temperatures]
+        self.main_argmax = labels.new_zeros(batch, length - 1)
+        self.argmax = [labels.new_zeros(batch, length - k - 1) for k in range(1, depth + 1)]
+        self.confidence = [torch.zeros(batch, length - k - 1, device=labels.device) for k in range(1, depth + 1)]
+        self.js = [torch.zeros(batch, length - k - 2, device=labels.device) for k in range(1, depth)]
+
+    def add(self, part: slice, main: Tensor, depths: list[Tensor]) -> None:
+        """One chunk of sequences: main logits (b, T-1, V), depth k's (b, T-k-1, V)."""
+        length = self.labels.shape[1]
+        self.main_argmax[part] = main.argmax(-1)
         for k, logits in enumerate(depths, start=1):
-            argmax[k - 1][part] = logits.argmax(-1)
-            confidence[k - 1][part] = torch.softmax(logits / temperatures[k - 1], dim=-1).amax(-1)
-        for k in range(1, depth):
-            js[k - 1][part] = _jensen_shannon(depths[k - 1][:, : length - k - 2], depths[k])
-    accept, chained, valid, correct = [], [], [], []
-    for k in range(1, depth + 1):
-        span = length - k - 1
-        accept.append(argmax[k - 1] == main_argmax[:, k : k + span])  # draft of t(i+k+1) vs main at i+k
-        chained.append(accept[-1] if k == 1 else chained[-1][:, :span] & accept[-1])
-        valid.append(scored_positions(labels, k, span, module.mtp_config.ignore_index))
-        correct.append(argmax[k - 1] == labels[:, k + 1 : k + 1 + span])
-    coupling = [argmax[k - 1][:, : length - k - 2] == argmax[k] for k in range(1, depth)]
-    return AcceptanceStats(accept, chained, valid, coupling, js, confidence, correct)
+            self.argmax[k - 1][part] = logits.argmax(-1)
+            self.confidence[k - 1][part] = torch.softmax(logits / self.temperatures[k - 1], dim=-1).amax(-1)
+        for k in range(1, self.depth):
+            self.js[k - 1][part] = _jensen_shannon(depths[k - 1][:, : length - k - 2], depths[k])
+
+    def stats(self) -> AcceptanceStats:
+        labels, argmax, main_argmax = self.labels, self.argmax, self.main_argmax
+        length = labels.shape[1]
+        accept, chained, valid, correct = [], [], [], []
+        for k in range(1, self.depth + 1):
+            span = length - k - 1
+            accept.append(argmax[k - 1] == main_argmax[:, k : k + span])  # draft of t(i+k+1) vs main at i+k
+            chained.append(accept[-1] if k == 1 else chained[-1][:, :span] & accept[-1])
+            valid.append(scored_positions(labels, k, span, self.ignore_index))
+            correct.append(argmax[k - 1] == labels[:, k + 1 : k + 1 + span])
+        coupling = [argmax[k - 1][:, : length - k - 2] == argmax[k] for k in range(1, self.depth)]
+        return AcceptanceStats(accept, chained, valid, coupling, self.js, self.confidence, correct)
 
 
 def _jensen_shannon(logits_p: Tensor, logits_q: Tensor) -> Tensor:
@@ -130,11 +149,12 @@ def _jensen_shannon(logits_p: Tensor, logits_q: Tensor) -> Tensor:
     return 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
 
 
-class MTPCouplingMonitor(MTPCallback):
+class MTPCouplingMonitor(TeacherForcedCallback):
     """Logs, on validation, how the MTP heads will behave as drafters.
 
     For every configured depth k (all of them, whatever ``MTPDepthWarmup`` has activated), on teacher-forced
-    validation tokens, re-running the model under ``no_grad`` after each validation batch:
+    validation tokens, from the hidden states ``validation_step`` computed for the loss (the trunk is not run again;
+    the draft calibration, when present, reads the same logits):
 
     - ``val/mtp/coupling_depth{k}``: how often depth k's argmax equals depth k+1's at the same position (k < D);
     - ``val/mtp/js_depth{k}``: Jensen-Shannon divergence (nats) between depths k and k+1 (k < D);
@@ -176,6 +196,7 @@ class MTPCouplingMonitor(MTPCallback):
         self.n_bins = check_int("MTPCouplingMonitor.n_bins", n_bins, 1)
         self.chunk_size = None if chunk_size is None else check_int("MTPCouplingMonitor.chunk_size", chunk_size, 1)
         self.warned = False
+        self._outcomes: Optional[TeacherForcedOutcomes] = None  # the batch being read
         self.means: dict[str, MeanMetric] = {}
         self.calibration: dict[str, BinaryCalibrationError] = {}
 
@@ -205,10 +226,26 @@ class MTPCouplingMonitor(MTPCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if trainer.sanity_checking:
-            return
-        fwd = batch_forward(pl_module, batch)
-        stats = teacher_forced_acceptance(pl_module, fwd.input_ids, chunk_size=self.chunk_size, fwd=fwd)
+        if self.wants_batch(trainer):
+            self.read_validation_batch(pl_module, batch)
+
+    @override
+    def begin_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
+        self._outcomes = TeacherForcedOutcomes(pl_module, fwd)
+
+    @override
+    def read_logits(
+        self, pl_module: MTPMixin, fwd: MTPForward, part: slice, main: Tensor, depths: list[Tensor]
+    ) -> None:
+        self._outcomes.add(part, main, depths)
+
+    @override
+    def end_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
+        stats, self._outcomes = self._outcomes.stats(), None
+        self.update(stats)
+
+    def update(self, stats: AcceptanceStats) -> None:
+        """Add one batch's outcomes to the epoch's metrics."""
         for k in range(1, len(stats.accept) + 1):
             valid = stats.valid[k - 1]
             self._update(f"val/mtp/accept_depth{k}", stats.accept[k - 1], valid)

@@ -1,18 +1,44 @@
 """Lightning's steps: training/validation/test on token batches with per-depth logging, and generation
-(``generate``, ``predict_step``) through :mod:`lightning_mtp.decoding`."""
+(``generate``, ``predict_step``) through :mod:`lightning_mtp.decoding`.
+
+A validation batch runs the trunk once: callbacks that read every depth's hidden states (the coupling monitor, the
+draft calibration) ask for them in ``on_validation_batch_start`` (:meth:`MTPSteps.mtp_validation_forward`), and
+``validation_step`` keeps what it computed for the loss, plus the depths that training has not activated yet.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import Tensor
 
 from lightning_mtp import decoding
-from lightning_mtp.outputs import MTPLossOutput
+from lightning_mtp.loss import DepthLossSpec, depth_targets
+from lightning_mtp.outputs import MTPForward, MTPLossOutput
+
+
+@dataclass
+class ValidationForward:
+    """The teacher-forced forward of one validation batch, shared by every consumer of that batch."""
+
+    input_ids: Tensor
+    """(B, T) token ids of the batch it belongs to, compared by identity: the step and the batch hooks get the same
+    tensor, even where a wrapper (DDP on GPUs) rebuilds the batch's dict or tuple on its way to the step."""
+    forward: Optional[MTPForward] = None
+    """Every configured depth's normed states (all D, whatever the active depth), ``main_hidden`` and the trunk's
+    state; filled by ``validation_step`` (under its precision context: autocast with mixed precision), or by the first
+    consumer when the host has its own ``validation_step``."""
+    derived: dict = field(default_factory=dict)
+    """What its consumers share besides ``forward`` (the callbacks that read it: who waits, who was fed); dropped
+    with it."""
 
 
 class MTPSteps:
-    """The default ``*_step`` methods, ``generate`` and ``predict_step``."""
+    """The default ``*_step`` methods, ``generate`` and ``predict_step``, and the validation batch's shared forward."""
+
+    _mtp_validation_record: Optional[ValidationForward] = None  # the current validation batch's, when asked for
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
@@ -22,9 +48,57 @@ class MTPSteps:
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
-        out = self.compute_lm_loss(input_ids, labels)
+        record = self._mtp_validation_record
+        if record is not None and record.input_ids is not input_ids:
+            record = self._mtp_validation_record = None  # another batch's, left by a hook that skipped super()
+        if record is not None and record.forward is None:
+            out, record.forward = self._lm_loss_keeping_every_depth(input_ids, labels)
+        else:
+            out = self.compute_lm_loss(input_ids, labels)
         self._log_mtp(out, "val", input_ids.shape[0])
         return out.loss
+
+    def mtp_validation_forward(self, batch: Any) -> ValidationForward:
+        """The shared forward of validation batch ``batch``; the first call for a batch asks for it.
+
+        Asked for in ``on_validation_batch_start``, ``validation_step`` runs every configured depth (not only the
+        active ones; the loss still scores only those) and keeps the states in ``.forward`` for the callbacks'
+        ``on_validation_batch_end``. The mixin's own ``on_validation_batch_end``, which Lightning calls after the
+        callbacks', drops the record, so nothing is held between batches. ``.forward`` stays ``None`` when nobody
+        asked before the step or the host has its own ``validation_step``: the first consumer fills it then.
+        """
+        input_ids = unpack_batch(batch)[0]
+        record = self._mtp_validation_record
+        if record is None or record.input_ids is not input_ids:
+            record = self._mtp_validation_record = ValidationForward(input_ids)
+        return record
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        super().on_validation_batch_end(outputs, batch, batch_idx, dataloader_idx)
+        self._mtp_validation_record = None  # every callback has read it (Lightning calls theirs first)
+
+    def _lm_loss_keeping_every_depth(
+        self, input_ids: Tensor, labels: Optional[Tensor]
+    ) -> tuple[MTPLossOutput, MTPForward]:
+        """``compute_lm_loss`` and the teacher-forced forward of every configured depth, from one trunk pass and one
+        pass per depth. The loss is ``compute_lm_loss``'s to the bit: the active depths only, weighted as there."""
+        active, depth = self.mtp_active_depth, self.mtp_config.depth
+        hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
+        self.mtp_active_depth = depth
+        try:
+            fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
+        finally:
+            self.mtp_active_depth = active
+        if active < depth:  # _run_depths weighed the depths for `depth` active ones; the loss has `active`
+            scale = self.mtp_loss_weight / max(active, 1)
+            specs = [dataclasses.replace(spec, weight=scale * self.mtp_depth_weights[k])
+                     for k, spec in enumerate(specs[:active])]
+        fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
+        main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
+                             self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
+        # _score drops the states it scored from the forward it is given: give it a copy, keep the full one.
+        scored = dataclasses.replace(fwd, depth_hidden=fwd.depth_hidden[:active])
+        return self._score(scored, specs, main), fwd
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
