@@ -20,7 +20,8 @@ trunk forwards per batch. On a shared machine the CPU-time ratio is the steadier
 Batches are 4 × 256 tokens (the configuration's are 16 × 256) so that a run takes minutes on two CPU cores; the
 calibration's ``max_batches: 10`` of the configuration's 20 validation batches is kept. ``--tokenizer byte`` (default)
 is quick to set up; ``--tokenizer bpe --vocab-size 4096`` has the configuration's vocabulary, and with it the
-callbacks' own per-token work over the vocabulary (softmaxes, the calibration's temperature grid) weighs more.
+callbacks' own work over the vocabulary weighs more: the shared pass of logits and the argmaxes on every position,
+the softmaxes (JS, ECE) and the calibration's temperature grid on each callback's ``max_positions`` per batch.
 
 Usage::
 

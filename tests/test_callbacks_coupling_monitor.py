@@ -145,6 +145,8 @@ def test_warns_once_when_coupling_passes_the_threshold(make_tiny_model):
         (dict(coupling_threshold=-0.1), r"got -0.1"),
         (dict(n_bins=0), "n_bins must be an integer >= 1, got 0"),
         (dict(chunk_size=0), "chunk_size must be an integer >= 1, got 0"),
+        (dict(max_positions=0), "max_positions must be an integer >= 1, got 0"),
+        (dict(max_positions=2.5), "max_positions must be an integer >= 1, got 2.5"),
     ],
 )
 def test_bad_arguments_quote_the_value(kwargs, match):
@@ -254,3 +256,31 @@ def test_tau_walk_equals_the_step_by_step_walk_on_random_outcomes():
         stats = AcceptanceStats(accept, chained, valid, [], [], [], [])
         for drafts in range(1, depth + 1):
             assert tuple(int(x) for x in stats.tau_walk(drafts)) == walk_step_by_step(stats, drafts)
+
+
+def test_max_positions_probes_js_and_confidence_on_a_strided_subsample(make_tiny_model):
+    model = make_tiny_model(depth=3)
+    ids = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(3))
+    every = teacher_forced_acceptance(model, ids)
+    probed = teacher_forced_acceptance(model, ids, max_positions=20, index=5)  # 4 × 14 positions: every 3rd, from 2
+    for k in range(3):
+        expected = torch.zeros_like(every.valid[k])
+        expected[:, 2::3] = True
+        assert torch.equal(probed.probed[k], expected)
+        # the argmax-based outcomes read every position; the probed values equal the full computation's
+        assert torch.equal(probed.accept[k], every.accept[k]) and torch.equal(probed.correct[k], every.correct[k])
+        torch.testing.assert_close(probed.confidence[k][expected], every.confidence[k][expected])
+    for k in range(2):
+        mask = probed.probed[k + 1]
+        assert torch.equal(probed.coupling[k], every.coupling[k])
+        torch.testing.assert_close(probed.js[k][mask], every.js[k][mask], rtol=1e-5, atol=1e-6)
+    monitor = MTPCouplingMonitor(max_positions=20)
+    monitor.setup(L.Trainer(accelerator="cpu", logger=False), model, "validate")
+    monitor.update(probed)
+    full = MTPCouplingMonitor(max_positions=None)
+    full.setup(L.Trainer(accelerator="cpu", logger=False), model, "validate")
+    full.update(every)
+    js_mask = every.valid[1] & probed.probed[1]
+    assert float(monitor.means["val/mtp/js_depth1"].compute()) == pytest.approx(float(every.js[0][js_mask].mean()))
+    name = "val/mtp/accept_depth2"
+    assert float(monitor.means[name].compute()) == float(full.means[name].compute())

@@ -40,7 +40,7 @@ def test_fit_on_a_model_matches_direct_minimisation(make_tiny_model):
     ids = torch.randint(0, 13, (3, 14))
     labels = ids.clone()
     labels[0, 10:] = -100
-    calibration = MTPDraftCalibration(chunk_size=14)  # one sequence per chunk
+    calibration = MTPDraftCalibration(chunk_size=14, max_positions=None)  # one sequence per chunk, every position
     calibration.reset(depth=2)
     calibration.accumulate(model, teacher_forced_forward(model, ids, labels))
     fitted = calibration.solve()
@@ -62,7 +62,7 @@ def test_fit_on_a_model_matches_direct_minimisation(make_tiny_model):
 def test_validation_sets_saves_and_logs_the_temperatures(make_tiny_model, tmp_path):
     model = make_tiny_model(depth=2)
     model.mtp_active_depth = 1  # every depth is calibrated regardless
-    calibration = MTPDraftCalibration(max_batches=1)
+    calibration = MTPDraftCalibration(max_batches=1, max_positions=None)
     data = DataLoader(torch.randint(0, 61, (8, 16), generator=torch.Generator().manual_seed(0)), batch_size=4)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[calibration], default_root_dir=tmp_path)
@@ -88,6 +88,7 @@ def test_validation_sets_saves_and_logs_the_temperatures(make_tiny_model, tmp_pa
         (dict(min_temperature=2.0, max_temperature=1.0), "max_temperature must be > min_temperature = 2.0, got 1.0"),
         (dict(max_batches=0), "max_batches must be an integer >= 1, got 0"),
         (dict(chunk_size=-1), "chunk_size must be an integer >= 1, got -1"),
+        (dict(max_positions=0), "max_positions must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_arguments_quote_the_value(kwargs, match):
@@ -136,3 +137,30 @@ def test_grid_sums_match_their_definitions(scale, vocab):
     assert torch.allclose(sums[1], reference[1], rtol=0, atol=2e-6 * 70 * scale)
     assert torch.allclose(sums[2], reference[2], rtol=1e-5, atol=1e-9)
     assert calibration._counts.tolist() == [70]
+
+
+def test_max_positions_fits_on_the_strided_subsample_of_each_batch(make_tiny_model):
+    model = make_tiny_model(depth=2, vocab_size=13)
+    ids = torch.randint(0, 13, (3, 14), generator=torch.Generator().manual_seed(2))
+    fwd = teacher_forced_forward(model, ids, ids)
+    subsampled = MTPDraftCalibration(max_positions=10)  # 3 × 12 positions: every 4th, from offset 0
+    subsampled.reset(depth=2)
+    subsampled.accumulate(model, fwd)
+    reference = MTPDraftCalibration(max_positions=None)
+    reference.reset(depth=2)
+    with torch.no_grad():
+        main = model.lm_head(fwd.main_hidden)  # (B, T-1, V)
+        for k in (1, 2):
+            span = ids.shape[1] - k - 1
+            draft = model.lm_head(fwd.depth_hidden[k - 1])[:, ::4]  # (B, n, V)
+            reference.add_logits(k, draft.reshape(-1, 13), main[:, k : k + span][:, ::4].reshape(-1, 13))
+    assert torch.equal(subsampled._counts, torch.tensor([9.0, 9.0], dtype=torch.float64))
+    torch.testing.assert_close(subsampled._sums, reference._sums)
+    fitted, expected = subsampled.solve(), reference.solve()
+    assert fitted.keys() == expected.keys() == {1, 2}
+    for k in (1, 2):
+        assert fitted[k] == pytest.approx(expected[k], rel=1e-6)
+    every = MTPDraftCalibration(max_positions=36)  # not below the batch's positions: all of them
+    every.reset(depth=2)
+    every.accumulate(model, fwd)
+    assert every._counts.tolist() == [36.0, 33.0]

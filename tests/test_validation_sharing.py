@@ -38,8 +38,8 @@ def loader(masked=False):
     return DataLoader(MaskedTokens() if masked else token_batches(), batch_size=BATCH_SIZE)
 
 
-def both_callbacks(share: bool, monitor_chunk=None, max_batches=2):
-    monitor = MTPCouplingMonitor(chunk_size=monitor_chunk)
+def both_callbacks(share: bool, monitor_chunk=None, max_batches=2, monitor_positions=128):
+    monitor = MTPCouplingMonitor(chunk_size=monitor_chunk, max_positions=monitor_positions)
     calibration = MTPDraftCalibration(max_batches=max_batches)
     for callback in (monitor, calibration):
         callback.share_forward = share
@@ -67,19 +67,23 @@ class Counter:
 
 
 @pytest.mark.parametrize(
-    "architecture, active, masked, monitor_chunk",
+    "architecture, active, masked, monitor_chunk, monitor_positions",
     [
-        ("cascaded", 3, False, None),
-        ("cascaded", 1, True, None),  # depths 2 and 3 run for the callbacks only
-        ("parallel", 2, True, 16),  # the monitor chunks one sequence at a time: its own pass over the logits
+        ("cascaded", 3, False, None, 128),
+        ("cascaded", 1, True, None, 128),  # depths 2 and 3 run for the callbacks only
+        ("parallel", 2, True, 16, 128),  # the monitor chunks one sequence at a time: its own pass over the logits
+        ("cascaded", 3, True, 16, 20),  # JS and ECE on the same rotating subsample of positions either way
     ],
 )
-def test_callback_metrics_equal_those_of_the_rerun_path(make_tiny_model, architecture, active, masked, monitor_chunk):
+def test_callback_metrics_equal_those_of_the_rerun_path(
+    make_tiny_model, architecture, active, masked, monitor_chunk, monitor_positions
+):
     logged = {}
     for share in (True, False):
         model = make_tiny_model(depth=3, architecture=architecture)
         model.mtp_active_depth = active
-        logged[share] = validate(model, both_callbacks(share, monitor_chunk), loader(masked))
+        callbacks = both_callbacks(share, monitor_chunk, monitor_positions=monitor_positions)
+        logged[share] = validate(model, callbacks, loader(masked))
         assert model.mtp_active_depth == active
     assert logged[True].keys() == logged[False].keys()
     names = [name for name in logged[True] if "temperature" in name or "accept" in name or "ece" in name]

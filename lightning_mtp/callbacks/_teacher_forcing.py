@@ -143,6 +143,17 @@ def sequences_per_chunk(module: MTPMixin, fwd: MTPForward, chunk_size: Optional[
     return max(1, chunk_rows(module, batch * length, chunk_size) // length)
 
 
+def probed_columns(batch: int, length: int, max_positions: Optional[int], index: int) -> slice:
+    """Positions along every sequence of a fixed-size subsample of a (``batch``, ``length``) batch: every s-th one,
+    s = ⌈batch·length / max_positions⌉ (at most about ``max_positions`` in all), from an offset that rotates with
+    ``index`` (the batch's number in the epoch) so that successive batches probe other positions; all of them when
+    ``max_positions`` is ``None`` or not below batch·length."""
+    if max_positions is None or batch * length <= max_positions:
+        return slice(0, None)
+    stride = -(-batch * length // max_positions)
+    return slice(index % stride, None, stride)
+
+
 def scored_positions(labels: Tensor, depth: int, length: int, ignore_index: int) -> Tensor:
     """(B, length) bool: the tokens t(i+1)..t(i+depth+1) drafted or verified at position i are all scored."""
     scored = labels[:, 1:] != ignore_index  # (B, T-1): target of main position j is t(j+1)

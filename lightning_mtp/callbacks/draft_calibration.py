@@ -12,7 +12,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mtp.callbacks._base import check_int, require_mtp_module
-from lightning_mtp.callbacks._teacher_forcing import TeacherForcedCallback, scored_positions, sequence_logits
+from lightning_mtp.callbacks._teacher_forcing import (
+    TeacherForcedCallback,
+    probed_columns,
+    scored_positions,
+    sequence_logits,
+)
 from lightning_mtp.head_calls import row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin
 
@@ -34,6 +39,12 @@ class MTPDraftCalibration(TeacherForcedCallback):
     [``min_temperature``, ``max_temperature``] over the validation epoch (no logits are kept, only those sums, so
     memory is constant), brackets the minimum between two grid points and refines it by cubic interpolation.
 
+    The grid costs ``grid_size`` exponentials per logit, so each batch contributes a fixed-size subsample of its
+    positions: every s-th position of each sequence, about ``max_positions`` per batch (offset rotating from batch to
+    batch, the same positions for every depth), those whose tokens are scored. The fit is then the same minimisation
+    over fewer positions: an unbiased subsample of the epoch's, so T_k changes only statistically (one scalar per
+    depth, fitted on ``max_positions`` × batches positions); ``max_positions=None`` fits on every position.
+
     At the end of each validation epoch (not the sanity check) it sets ``pl_module.mtp_draft_temperatures``, which the
     checkpoint saves with the model and which decoding uses for the draft distribution in sampling mode. Logits come
     from calling the head modules (DeepSpeed ZeRO-3 safe) on the hidden states ``validation_step`` computed for the
@@ -47,6 +58,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         max_temperature: highest temperature (> ``min_temperature``).
         max_batches: calibrate on the first ``max_batches`` validation batches of each epoch (default: all).
         chunk_size: rows of logits per depth alive at once (default: the MTP loss's chunk size).
+        max_positions: positions per batch the fit reads (≥ 1; ``None``: all of them).
 
     Example::
 
@@ -63,6 +75,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         max_temperature: float = 20.0,
         max_batches: Optional[int] = None,
         chunk_size: Optional[int] = None,
+        max_positions: Optional[int] = 32,
     ) -> None:
         self.grid_size = check_int("MTPDraftCalibration.grid_size", grid_size, 3)
         for name, value in (("min_temperature", min_temperature), ("max_temperature", max_temperature)):
@@ -76,6 +89,8 @@ class MTPDraftCalibration(TeacherForcedCallback):
         self.min_temperature, self.max_temperature = float(min_temperature), float(max_temperature)
         self.max_batches = None if max_batches is None else check_int("MTPDraftCalibration.max_batches", max_batches, 1)
         self.chunk_size = None if chunk_size is None else check_int("MTPDraftCalibration.chunk_size", chunk_size, 1)
+        self.max_positions = (None if max_positions is None
+                              else check_int("MTPDraftCalibration.max_positions", max_positions, 1))
         # β = 1/T from high to low temperature: increasing
         self.betas = torch.logspace(-math.log10(self.max_temperature), -math.log10(self.min_temperature),
                                     self.grid_size, dtype=torch.float64)
@@ -84,6 +99,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         self._counts: Optional[Tensor] = None  # (D,) positions
         self._entropy: Optional[Tensor] = None  # (D,) Σ H(p_main), to report KL instead of cross-entropy
         self._batches = 0
+        self._read = 0  # batches read this epoch: rotates the probed positions
 
     @property
     @override
@@ -104,7 +120,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         self._sums = torch.zeros(depth, 3, self.grid_size, dtype=torch.float64, device=device)
         self._counts = torch.zeros(depth, dtype=torch.float64, device=device)
         self._entropy = torch.zeros(depth, dtype=torch.float64, device=device)
-        self._batches = 0
+        self._batches = self._read = 0
 
     @override
     def on_validation_batch_end(
@@ -124,16 +140,23 @@ class MTPDraftCalibration(TeacherForcedCallback):
         """Add one teacher-forced batch (every depth) to the epoch's sums."""
         for part, main, depths in sequence_logits(module, fwd, self.chunk_size):
             self.read_logits(module, fwd, part, main, depths)
+        self.end_batch(module, fwd)
+
+    @override
+    def end_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
+        self._read += 1
 
     @override
     def read_logits(
         self, pl_module: MTPMixin, fwd: MTPForward, part: slice, main: Tensor, depths: list[Tensor]
     ) -> None:
-        length = fwd.labels.shape[1]
+        batch, length = fwd.labels.shape
+        columns = probed_columns(batch, length - 2, self.max_positions, self._read)  # the same for every depth
         for k, logits in enumerate(depths, start=1):
             span = length - k - 1
-            valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index)  # (b, span)
-            self.add_logits(k, logits[valid], main[:, k : k + span][valid])  # depth k at i, main at i+k
+            valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index)[:, columns]
+            # depth k at i, main at i+k; (b, n, V)[valid] -> (N, V)
+            self.add_logits(k, logits[:, columns][valid], main[:, k : k + span][:, columns][valid])
 
     def add_logits(self, depth: int, draft_logits: Tensor, main_logits: Tensor) -> None:
         """Add rows (N, V) of depth ``depth``'s logits z and the main model's logits at the verified positions:
