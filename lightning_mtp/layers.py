@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -166,27 +165,100 @@ class Attention(nn.Module):
             )
         return self.proj(out.transpose(1, 2).reshape(B, T, -1))
 
+    def head_group(self, group: int) -> tuple[slice, slice, slice]:
+        """Rows of ``qkv.weight`` projecting key/value head ``group``: its query heads, its key and its value. The
+        query rows also index the columns of ``proj.weight`` that read the group's heads."""
+        per_group, hd = self.n_heads // self.n_kv_heads, self.head_dim
+        k_start = (self.n_heads + group) * hd
+        v_start = (self.n_heads + self.n_kv_heads + group) * hd
+        return (slice(group * per_group * hd, (group + 1) * per_group * hd), slice(k_start, k_start + hd),
+                slice(v_start, v_start + hd))
 
-    def head_group(self, x: Tensor, cos: Tensor, sin: Tensor, group: int) -> Tensor:
-        """Causal attention of one key/value head and its query heads, projected to the output (B, T, dim).
-
-        Summing this over all groups equals :meth:`forward` without a cache.
-        """
+    def _group_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, group: int) -> Tensor:
+        """Queries, key and value of key/value head ``group`` (B, T, g + 2, hd), queries and key rotated."""
         B, T, _ = x.shape
         per_group = self.n_heads // self.n_kv_heads
-        hd = self.head_dim
-        q_rows = slice(group * per_group * hd, (group + 1) * per_group * hd)
-        k_start = self.n_heads * hd + group * hd
-        v_start = (self.n_heads + self.n_kv_heads) * hd + group * hd
-        weight = self.qkv.weight
-        q = F.linear(x, weight[q_rows]).view(B, T, per_group, hd)  # (B, T, g, hd)
-        k = F.linear(x, weight[k_start : k_start + hd]).view(B, T, 1, hd)
-        v = F.linear(x, weight[v_start : v_start + hd]).view(B, T, 1, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        weight = torch.cat([self.qkv.weight[rows] for rows in self.head_group(group)])  # ((g + 2) * hd, dim)
+        qkv = F.linear(x, weight).view(B, T, per_group + 2, self.head_dim)
+        qkv[:, :, : per_group + 1] = apply_rope(qkv[:, :, : per_group + 1], cos, sin)
+        return qkv
+
+    @staticmethod
+    def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention of one group: q (B, T, g, hd), k and v (B, T, 1, hd) -> (B, T, g * hd)."""
+        B, T, per_group, hd = q.shape
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=per_group > 1
         )  # (B, g, T, hd)
-        return F.linear(out.transpose(1, 2).reshape(B, T, per_group * hd), self.proj.weight[:, q_rows])
+        return out.transpose(1, 2).reshape(B, T, per_group * hd)
+
+    def add_by_group(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``out += attention(x)`` (both (B, T, dim), no cache, no autograd graph), one key/value head group at a
+        time: heads are independent and the output projection is linear, so the groups' projected outputs sum to
+        :meth:`forward`'s (up to summation order) while one group's activations are alive at a time."""
+        flat = out.view(-1, out.shape[-1])  # (B*T, dim)
+        per_group = self.n_heads // self.n_kv_heads
+        for group in range(self.n_kv_heads):
+            heads = self._attend(*self._group_qkv(x, cos, sin, group).split([per_group, 1, 1], dim=2))
+            _addmm_(flat, heads.reshape(flat.shape[0], -1), self.proj.weight[:, self.head_group(group)[0]].t())
+        return out
+
+    def backward_by_group(
+        self, x: Tensor, cos: Tensor, sin: Tensor, grad_out: Tensor, weight_grads: bool
+    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """Recompute the attention of ``x`` (B, T, dim) one key/value head group at a time and backpropagate
+        ``grad_out`` (B, T, dim) through each group straight away: one group's activations are alive at a time.
+
+        Returns d/dx (B, T, dim) and, with ``weight_grads``, the gradients of ``qkv.weight`` and ``proj.weight``.
+        Only the attention itself goes through autograd; the projections and RoPE (a rotation: its backward rotates
+        back) are differentiated by hand, so that d/dx and the weight gradients accumulate in place. The output
+        projection is not rerun: its result is not needed, only its input (the group's heads).
+        """
+        x, grad_out = x.detach(), grad_out.detach()
+        flat_x = x.reshape(-1, x.shape[-1])  # (B*T, dim)
+        grad_x = torch.zeros_like(flat_x)
+        grad_qkv = torch.zeros_like(self.qkv.weight) if weight_grads else None
+        grad_proj = torch.zeros_like(self.proj.weight) if weight_grads else None
+        per_group = self.n_heads // self.n_kv_heads
+        for group in range(self.n_kv_heads):
+            rows = self.head_group(group)  # of qkv.weight: queries, key, value
+            q, k, v = (t.detach().requires_grad_() for t in
+                       self._group_qkv(x, cos, sin, group).split([per_group, 1, 1], dim=2))
+            with torch.enable_grad():
+                heads = self._attend(q, k, v)  # (B, T, g * hd)
+            grad_heads = linear_backward(heads.detach(), self.proj.weight[:, rows[0]], grad_out,
+                                         None if grad_proj is None else grad_proj[:, rows[0]])
+            grads = torch.autograd.grad(heads, (q, k, v), grad_heads.to(heads.dtype))
+            del heads, grad_heads, q, k, v
+            for part_rows, grad, rotated in zip(rows, grads, (True, True, False)):
+                if rotated:
+                    grad = apply_rope(grad, cos, -sin)  # (B, T, g or 1, hd)
+                grad = grad.reshape(flat_x.shape[0], -1)  # (B*T, g * hd or hd)
+                weight = self.qkv.weight.detach()[part_rows]  # (g * hd or hd, dim)
+                _addmm_(grad_x, grad, weight)
+                if grad_qkv is not None:
+                    _addmm_(grad_qkv[part_rows], grad.t(), flat_x.to(grad.dtype))
+            del grads, grad
+        return grad_x.view_as(x), grad_qkv, grad_proj
+
+
+def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, weight_grad: Optional[Tensor] = None) -> Tensor:
+    """The backward of ``F.linear(x, weight)`` (no bias) by hand: d/dx (..., in) from ``grad`` (..., out), and
+    d/dweight added in place into ``weight_grad`` (out, in) when given. Under autocast the products run in its dtype,
+    as autograd's would."""
+    x, grad = x.detach(), grad.detach()
+    flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])  # (N, in), (N, out)
+    if weight_grad is not None:
+        _addmm_(weight_grad, flat_grad.t(), flat_x.to(flat_grad.dtype))
+    return (flat_grad @ weight.detach().to(flat_grad.dtype)).view(*grad.shape[:-1], weight.shape[1])
+
+
+def _addmm_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out += a @ b`` in place; through a temporary product when autocast or the dtypes call for a cast. Written as
+    ``addmm(..., out=out)``, which ``torch.utils.flop_counter`` counts (it does not count ``addmm_``)."""
+    if a.dtype == b.dtype == out.dtype and not torch.is_autocast_enabled(out.device.type):
+        return torch.addmm(out, a, b, out=out)
+    return out.add_(a @ b)
 
 
 class SwiGLU(nn.Module):
@@ -224,30 +296,20 @@ class Block(nn.Module):
         sin: Tensor,
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
-        recompute_chunks: int = 0,
         mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """``recompute_chunks`` > 0 checkpoints the attention and MLP sublayers separately, the MLP in that many
-        token chunks, so recomputing this block in backward keeps one sublayer's activations alive at a time.
-        ``mask``: the cached-decoding attention mask (:func:`visible_slots`), shared by the layers of a forward."""
-        if recompute_chunks and torch.is_grad_enabled():
-            # Attention heads are independent: one checkpoint per key/value head group, outputs summed after the
-            # output projection, which is linear. Exact up to summation order.
-            attention = None
-            for group in range(self.attn.n_kv_heads):
-                part = checkpoint(self._attention_group, x, cos, sin, group, use_reentrant=False)
-                attention = part if attention is None else attention + part
-            x = x + attention
-            parts = x.chunk(recompute_chunks, dim=1)  # the MLP is position-wise, so token chunks are exact
-            return x + torch.cat([checkpoint(self._mlp_sublayer, part, use_reentrant=False) for part in parts], dim=1)
+        """``mask``: the cached-decoding attention mask (:func:`visible_slots`), shared by the layers of a forward."""
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache, mask)
+        return self.mlp_residual(x)
+
+    def attention_residual(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The first half of :meth:`forward` without autograd, one key/value head group at a time: x + attn(norm(x))
+        (B, T, H)."""
+        return self.attn.add_by_group(x.clone(), self.attn_norm(x), cos, sin)
+
+    def mlp_residual(self, x: Tensor) -> Tensor:
+        """The second half of :meth:`forward`: x + mlp(norm(x)), position-wise, so it can run on any rows of x."""
         return x + self.mlp(self.mlp_norm(x))
-
-    def _attention_group(self, x: Tensor, cos: Tensor, sin: Tensor, group: int) -> Tensor:
-        return self.attn.head_group(self.attn_norm(x), cos, sin, group)
-
-    def _mlp_sublayer(self, x: Tensor) -> Tensor:
-        return self.mlp(self.mlp_norm(x))
 
 
 class RotaryTable(nn.Module):

@@ -7,7 +7,8 @@ contributes 0, never NaN (Megatron-LM #1532 and #2417 came from getting this nor
 
 All depths that share a head are scored by one chunked cross-entropy call with per-row weights w_k / n_k: one fp32
 weight-gradient buffer serves every depth, and no logits are kept for backward. With ``MTPConfig.recompute`` each
-depth's block is activation-checkpointed (:func:`run_depth`), sublayer by sublayer.
+depth keeps only its inputs and its block's mid residual, and its backward reruns it once, piece by piece
+(:func:`run_depth`).
 Under DeepSpeed ZeRO-3 (a partitioned head weight) the same loss goes through the head module instead
 (:func:`lightning_mtp.zero.head_cross_entropy`).
 
@@ -23,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_mtp.heads import recomputed_depth
 from lightning_mtp.kernels import linear_cross_entropy
 from lightning_mtp.kernels.linear_cross_entropy_torch import check_logit_transform, scale_and_cap
 from lightning_mtp.zero import head_cross_entropy, is_partitioned
@@ -162,18 +164,22 @@ def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
     return DepthLosses(loss, per_depth.detach(), counts, [p.row_argmax for p in parts], [p.targets for p in parts])
 
 
-MLP_RECOMPUTE_CHUNKS = 4
-"""Token chunks of the MLP when a recomputed depth is recomputed (its SwiGLU activations are the largest)."""
+MLP_RECOMPUTE_CHUNKS = 8
+"""Token chunks in which a recomputed depth reruns its position-wise pieces (the MLP, whose SwiGLU activations are
+the block's largest, the norms and the cascaded mix): one chunk's activations and gradients, about 3 · B·L·H for a
+Llama-shaped SwiGLU, are alive at a time, less than the attention step needs. More chunks save no memory there
+(``benchmarks/train_overhead.py`` shape) and cost time: smaller matrix products, more calls."""
 
 
 def run_depth(
     module: nn.Module, cos: Tensor, sin: Tensor, recompute: bool, hidden: Tensor, embedding: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """One depth: h_k = module(h_(k-1) or h_0, Emb) and its output norm; the unit of activation recomputation.
+    """One depth: h_k = module(h_(k-1) or h_0, Emb) and its output norm. Returns (h_k (B, L, H), norm(h_k)).
 
-    When recomputed, the block inside is recomputed sublayer by sublayer (attention per key/value head group, the
-    MLP in token chunks), so its backward keeps one small piece of activations alive at a time.
-    Returns (h_k (B, L, H), norm(h_k)).
+    With ``recompute`` the depth keeps no activations but its residual between attention and MLP; its backward
+    reruns it once, piece by piece (:func:`~lightning_mtp.heads.recomputed_depth`).
     """
-    out = module(hidden, embedding, cos, sin, recompute_chunks=MLP_RECOMPUTE_CHUNKS if recompute else 0)
+    if recompute:
+        return recomputed_depth(module, hidden, embedding, cos, sin, MLP_RECOMPUTE_CHUNKS)
+    out = module(hidden, embedding, cos, sin)
     return out, module.norm(out)

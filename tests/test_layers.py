@@ -1,10 +1,20 @@
-"""Transformer parts: the thin-input Linear path, RMSNorm, and cached decoding against the plain causal forward."""
+"""Transformer parts: the thin-input Linear path, RMSNorm, cached decoding against the plain causal forward, and the
+recompute path's pieces (attention by head group, the block's halves, hand-written linear backward)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mtp.layers import THIN_ROWS, Linear, RMSNorm, visible_slots
+from lightning_mtp.layers import (
+    THIN_ROWS,
+    Attention,
+    Block,
+    Linear,
+    RMSNorm,
+    RotaryTable,
+    linear_backward,
+    visible_slots,
+)
 from lightning_mtp.models import CausalLM, ModelConfig
 
 
@@ -81,3 +91,40 @@ def test_cached_decoding_forward_equals_the_full_causal_forward(n_kv_heads):
                 torch.testing.assert_close(hidden[row], full[row, positions[row]], rtol=1e-4, atol=1e-4)
             # rows advance by different amounts: row 1 keeps only its first token (the rest acts as rejected)
             start = start + torch.tensor([size, 1])
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
+def test_attention_by_head_group_equals_the_whole_attention_forward_and_backward(n_kv_heads):
+    """The recompute path's attention, one key/value head group at a time: its sum is ``Attention.forward``'s output,
+    and its hand-written backward gives autograd's d/dx and weight gradients."""
+    torch.manual_seed(0)
+    attention = Attention(32, 4, n_kv_heads)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    cos, sin = RotaryTable(16, 8)(7)
+    grad_out = torch.randn(2, 7, 32)
+    reference = attention(x, cos, sin)
+    want = torch.autograd.grad(reference, [x, attention.qkv.weight, attention.proj.weight], grad_out)
+    with torch.no_grad():
+        by_group = attention.add_by_group(torch.zeros(2, 7, 32), x, cos, sin)
+    torch.testing.assert_close(by_group, reference.detach(), rtol=1e-5, atol=1e-6)
+    for got, expected in zip(attention.backward_by_group(x, cos, sin, grad_out, weight_grads=True), want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    rows = [r for group in range(attention.n_kv_heads) for r in attention.head_group(group)]
+    assert sorted(i for r in rows for i in range(r.start, r.stop)) == list(range(attention.qkv.out_features))
+
+
+def test_block_halves_compose_to_the_block_and_linear_backward_matches_autograd():
+    torch.manual_seed(0)
+    block = Block(32, 4, 2, 64)
+    x = torch.randn(2, 5, 32)
+    cos, sin = RotaryTable(16, 8)(5)
+    with torch.no_grad():
+        torch.testing.assert_close(block.mlp_residual(block.attention_residual(x, cos, sin)), block(x, cos, sin),
+                                   rtol=1e-5, atol=1e-6)
+    weight = torch.randn(6, 32, requires_grad=True)
+    x.requires_grad_()
+    grad = torch.randn(2, 5, 6)
+    want = torch.autograd.grad(F.linear(x, weight), [x, weight], grad)
+    weight_grad = torch.ones(6, 32)
+    torch.testing.assert_close(linear_backward(x, weight, grad, weight_grad), want[0])
+    torch.testing.assert_close(weight_grad, want[1] + 1)  # accumulated into what was there

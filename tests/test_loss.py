@@ -195,3 +195,91 @@ def test_all_ignored_rows_give_zero_loss_and_gradient():
     assert out.loss.item() == 0
     out.loss.backward()
     assert hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+def loss_and_gradients(model, input_ids, labels):
+    """compute_lm_loss and the gradient of its loss w.r.t. every named parameter (``None`` where it has none)."""
+    out = model.compute_lm_loss(input_ids, labels)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    return out, dict(zip(names, torch.autograd.grad(out.loss, params, allow_unused=True)))
+
+
+def assert_same_loss_and_gradients(got, want):
+    (out, grads), (ref, ref_grads) = got, want
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.depth_losses, ref.depth_losses, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, expected in ref_grads.items():
+        assert (grads[name] is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(grads[name], expected, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+@pytest.mark.parametrize("share_output_head", [True, False])
+@pytest.mark.parametrize("detach_trunk", [False, True])
+@pytest.mark.parametrize(("depth", "n_kv_heads"), [(1, None), (2, 2), (3, None), (3, 1)])
+def test_recompute_gives_the_loss_and_every_gradient_of_the_plain_backward(
+    make_tiny_model, architecture, share_output_head, detach_trunk, depth, n_kv_heads
+):
+    """``MTPConfig.recompute`` changes no number: the loss, the per-depth losses and the gradient of every parameter
+    (trunk, MTP modules, the shared embedding and head or the depths' own heads) equal the plain backward's, with
+    multi-head and grouped-query MTP blocks and padded targets."""
+    torch.manual_seed(4)
+    input_ids = torch.randint(0, 61, (3, 13))
+    labels = input_ids.clone()
+    labels[0, 6:] = IGNORE
+    config = dict(depth=depth, architecture=architecture, share_output_head=share_output_head,
+                  detach_trunk=detach_trunk, n_kv_heads=n_kv_heads)
+    assert_same_loss_and_gradients(
+        loss_and_gradients(make_tiny_model(recompute=True, **config), input_ids, labels),
+        loss_and_gradients(make_tiny_model(recompute=False, **config), input_ids, labels),
+    )
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_recompute_with_frozen_parameters_returns_only_the_needed_gradients(make_tiny_model, architecture):
+    """A frozen trunk and partly frozen MTP modules (one depth's attention, another's MLP, a cascaded module's mix):
+    recompute differentiates only what requires grad and still matches the plain backward."""
+    runs = []
+    for recompute in (True, False):
+        model = make_tiny_model(depth=3, architecture=architecture, recompute=recompute)
+        frozen = [model.embed, model.layers, model.norm, model.mtp_modules[0].block.attn,
+                  model.mtp_modules[0].block.attn_norm, model.mtp_modules[1].block.mlp, model.mtp_modules[2].norm]
+        if architecture == "cascaded":
+            frozen += [model.mtp_modules[1].eh_proj, model.mtp_modules[2].hnorm]
+        for module in frozen:
+            module.requires_grad_(False)
+        torch.manual_seed(5)
+        runs.append(loss_and_gradients(model, torch.randint(0, 61, (2, 11)), None))
+    assert_same_loss_and_gradients(*runs)
+
+
+def test_recompute_under_bf16_autocast_matches_the_plain_backward(make_tiny_model):
+    """Backward reruns the depths under the forward's autocast: bf16 results agree to bf16 precision."""
+    runs = []
+    for recompute in (True, False):
+        model = make_tiny_model(depth=2, recompute=recompute)
+        torch.manual_seed(6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(loss_and_gradients(model, torch.randint(0, 61, (2, 12)), None))
+    (out, grads), (ref, ref_grads) = runs
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-2, rtol=1e-2)
+    for name, expected in ref_grads.items():
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(grads[name], expected, atol=3e-2 * scale, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_recompute_runs_under_torch_flop_counter(make_tiny_model, architecture):
+    """``FlopCounterMode`` (what ``benchmarks/train_overhead.py`` counts with) hooks every module's inputs and
+    outputs; a recomputed step, whose backward reruns modules, runs under it and counts more than a plain step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = []
+    for recompute in (False, True):
+        model = make_tiny_model(depth=2, architecture=architecture, recompute=recompute)
+        with FlopCounterMode(display=False) as counter:
+            model.compute_lm_loss(torch.randint(0, 61, (2, 40))).loss.backward()
+        flops.append(counter.get_total_flops())
+    assert flops[1] > flops[0]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mtp import MTPConfig, MTPMixin
 
@@ -163,3 +166,66 @@ def test_host_missing_accessors_gets_clear_error():
 
     with pytest.raises(NotImplementedError, match="mtp_token_embedding"):
         Bare().configure_model()
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Counts the FLOPs of every matrix product, in place or not (``FlopCounterMode`` misses ``addmm_``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_recompute_reruns_each_mtp_block_forward_once(make_tiny_model, monkeypatch, architecture):
+    """Per training step, every MTP block's attention (each key/value head group) and MLP, and the cascaded mix, see
+    each of their rows once in forward and, with ``recompute``, exactly once more in backward; the trunk's only
+    once. And recompute's extra matrix products are exactly one forward of the depths, less the attention's output
+    projection (its output is not needed again)."""
+    from lightning_mtp.layers import Attention, Linear, SwiGLU
+
+    rows = Counter()
+
+    def counting(method, heads=lambda module, args: module.n_heads if isinstance(module, Attention) else 1):
+        def wrapped(self, x, *args, **kwargs):
+            rows[id(self)] += x.numel() // x.shape[-1] * heads(self, args)  # token rows (times heads for attention)
+            return method(self, x, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(SwiGLU, "forward", counting(SwiGLU.forward))
+    monkeypatch.setattr(Linear, "forward", counting(Linear.forward))
+    monkeypatch.setattr(Attention, "forward", counting(Attention.forward))
+    monkeypatch.setattr(Attention, "_group_qkv", counting(
+        Attention._group_qkv, heads=lambda module, args: module.n_heads // module.n_kv_heads))  # one group's heads
+    B, T, flops = 2, 12, {}
+    input_ids = torch.randint(0, 61, (B, T))
+    for recompute in (False, True):
+        model = make_tiny_model(depth=3, architecture=architecture, recompute=recompute, n_kv_heads=2)
+        rows.clear()
+        with MatmulFlops() as counter:
+            loss = model.compute_lm_loss(input_ids).loss
+            forward = dict(rows)
+            loss.backward()
+        flops[recompute] = counter.flops
+        for k, module in enumerate(model.mtp_modules, start=1):
+            length = T - k - 1
+            pieces = [(module.block.attn, B * length * 4), (module.block.mlp, B * length)]
+            if architecture == "cascaded":
+                pieces.append((module.eh_proj, B * length))
+            for piece, once in pieces:
+                assert forward[id(piece)] == once, (k, piece)
+                assert rows[id(piece)] == (2 if recompute else 1) * once, (k, piece)
+        for layer in model.layers:
+            assert rows[id(layer.mlp)] == forward[id(layer.mlp)] == B * T
+    with torch.no_grad():
+        hidden = model(input_ids)
+        with MatmulFlops() as depths_forward:
+            model.mtp_forward(hidden, input_ids)  # no grad: the plain forward of every depth and its output norm
+    projections = sum(2 * B * (T - k - 1) * 32 * 32 for k in range(1, 4))  # attention output projections, H = 32
+    assert flops[True] - flops[False] == depths_forward.flops - projections > 0

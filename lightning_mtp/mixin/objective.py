@@ -4,12 +4,10 @@ head, add the registered loss terms (:meth:`MTPObjective.compute_lm_loss`, :meth
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from lightning_mtp.loss import DepthLossPart, DepthLossSpec, combine_parts, depth_targets, run_depth, score_jointly
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
@@ -48,8 +46,8 @@ class MTPObjective:
     def _run_depths(
         self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool
     ) -> tuple[MTPForward, list[DepthLossSpec]]:
-        """The depth loop. With ``recompute`` each depth (block and norm) is one activation-checkpointed unit, so
-        between forward and backward a depth keeps only its input alive."""
+        """The depth loop. With ``recompute`` each depth (module and output norm) keeps, between forward and backward,
+        only its inputs and the block's mid residual, and its backward reruns it once (:func:`run_depth`)."""
         modules = self.require_mtp_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
@@ -81,11 +79,7 @@ class MTPObjective:
                 loss_spec = DepthLossSpec(head_weight, depth_targets(labels, k, length),
                                           scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
                                           self._mtp_chunk_size(), self.mtp_depth_head(k))
-            run = functools.partial(run_depth, modules[k - 1], cos[:, :length], sin[:, :length], recompute)
-            if recompute:
-                out, normed = checkpoint(run, h_in, emb_in, use_reentrant=False)
-            else:
-                out, normed = run(h_in, emb_in)
+            out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in)
             depth_hidden.append(normed)
             specs.append(loss_spec)
             previous = out
