@@ -56,8 +56,8 @@ class MTPConfig:
     model, Medusa-1 style. Combine with freezing the trunk to train the heads alone."""
 
     recompute: bool = False
-    """Recompute the MTP modules' activations in backward (activation checkpointing), in the spirit of Meta's
-    sequential head backward: D extra depths then keep only their inputs alive."""
+    """Recompute the MTP depths in backward: each depth keeps only its inputs and its block's mid residual
+    (B·L·H) between forward and backward, and reruns once in backward, piece by piece (``heads.recomputed_depth``)."""
 
     loss_chunk_size: Optional[int] = None
     """Rows of [tokens × vocab] logits materialised at once by the chunked cross-entropy. ``None`` picks it so that
