@@ -179,3 +179,12 @@ def test_a_custom_term_reading_the_trunk_states_gets_them_detached(make_tiny_mod
     if values[0].requires_grad:  # detached states make the whole term a constant
         values[0].backward()
     assert_trunk_untouched(model)
+
+
+def test_the_mtp_modules_own_embedding_trains_under_detach_trunk(make_tiny_model):
+    """share_embedding=False gives the cascaded modules an embedding of their own: detach_trunk must not freeze it."""
+    model = make_tiny_model(depth=2, detach_trunk=True, share_embedding=False)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.compute_mtp_loss(model.mtp_trunk_hidden_states(ids), ids).loss.backward()
+    assert model.mtp_embedding.weight.grad is not None and model.mtp_embedding.weight.grad.abs().sum() > 0
+    assert model.embed.weight.grad is None or float(model.embed.weight.grad.abs().sum()) == 0.0

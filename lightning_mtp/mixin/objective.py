@@ -61,8 +61,11 @@ class MTPObjective:
         trunk = hidden.detach() if cfg.detach_trunk else hidden
         embeddings = None
         if cfg.architecture == "cascaded":
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_trunk):
-                embeddings = self.mtp_draft_embedding()(input_ids)  # (B, T, H)
+            embedding = self.mtp_draft_embedding()
+            shared = embedding is self.mtp_token_embedding()
+            # detach_trunk keeps the MTP loss out of the host's embedding, not out of the MTP modules' own one.
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not (cfg.detach_trunk and shared)):
+                embeddings = embedding(input_ids)  # (B, T, H)
         cos, sin = self.mtp_rope(T)
         recompute = cfg.recompute and torch.is_grad_enabled()
         scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
