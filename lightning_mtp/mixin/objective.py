@@ -44,10 +44,13 @@ class MTPObjective:
         return self._finish(fwd, parts, main_part)
 
     def _run_depths(
-        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool
+        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool,
+        run_depths: Optional[int] = None,
     ) -> tuple[MTPForward, list[DepthLossSpec]]:
-        """The depth loop. With ``recompute`` each depth (module and output norm) keeps, between forward and backward,
-        only its inputs and the block's mid residual, and its backward reruns it once (:func:`run_depth`)."""
+        """The depth loop over ``run_depths`` depths (default: the active ones); loss specs for the active depths
+        only, weighted λ / active · w_k. With ``recompute`` each depth (module and output norm) keeps, between forward
+        and backward, only its inputs and the block's mid residual, and its backward reruns it once
+        (:func:`run_depth`)."""
         modules = self.require_mtp_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
@@ -70,12 +73,12 @@ class MTPObjective:
         recompute = cfg.recompute and torch.is_grad_enabled()
         scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
         previous, depth_hidden, specs = trunk, [], []
-        for k in range(1, self.mtp_active_depth + 1):
+        for k in range(1, (self.mtp_active_depth if run_depths is None else run_depths) + 1):
             length = T - k - 1
             h_in = previous[:, :length] if cfg.architecture == "cascaded" else trunk[:, :length]
             emb_in = embeddings[:, k : k + length] if embeddings is not None else None  # Emb(t(i+k))
             loss_spec = None
-            if with_loss:
+            if with_loss and k <= self.mtp_active_depth:
                 head_weight = self.mtp_depth_head_weight(k)
                 if cfg.detach_trunk and self.mtp_output_heads is None:
                     head_weight = head_weight.detach()  # the MTP loss must not move the shared head
@@ -84,7 +87,8 @@ class MTPObjective:
                                           self._mtp_chunk_size(), self.mtp_depth_head(k))
             out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in)
             depth_hidden.append(normed)
-            specs.append(loss_spec)
+            if k <= self.mtp_active_depth:
+                specs.append(loss_spec)
             previous = out
         # Under detach_trunk, loss terms (callbacks) read the detached trunk state: no MTP-side gradient reaches it.
         return MTPForward(input_ids, labels, trunk, depth_hidden), specs
@@ -153,7 +157,10 @@ class MTPObjective:
         """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked."""
         hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
         fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
+        return self._score(fwd, specs, self._main_loss_spec(hidden, fwd))
+
+    def _main_loss_spec(self, hidden: Tensor, fwd: MTPForward) -> DepthLossSpec:
+        """The next-token head's loss spec; sets ``fwd.main_hidden`` (B, T-1, H), the final-normed trunk states."""
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
-        main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
+        return DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
                              self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
-        return self._score(fwd, specs, main)

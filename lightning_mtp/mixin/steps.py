@@ -15,7 +15,6 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_mtp import decoding
-from lightning_mtp.loss import DepthLossSpec, depth_targets
 from lightning_mtp.outputs import MTPForward, MTPLossOutput
 
 
@@ -82,20 +81,10 @@ class MTPSteps:
     ) -> tuple[MTPLossOutput, MTPForward]:
         """``compute_lm_loss`` and the teacher-forced forward of every configured depth, from one trunk pass and one
         pass per depth. The loss is ``compute_lm_loss``'s to the bit: the active depths only, weighted as there."""
-        active, depth = self.mtp_active_depth, self.mtp_config.depth
         hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-        self.mtp_active_depth = depth
-        try:
-            fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
-        finally:
-            self.mtp_active_depth = active
-        if active < depth:  # _run_depths weighed the depths for `depth` active ones; the loss has `active`
-            scale = self.mtp_loss_weight / max(active, 1)
-            specs = [dataclasses.replace(spec, weight=scale * self.mtp_depth_weights[k])
-                     for k, spec in enumerate(specs[:active])]
-        fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
-        main = DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
-                             self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, run_depths=self.mtp_config.depth)
+        main = self._main_loss_spec(hidden, fwd)
+        active = len(specs)
         # _score drops the states it scored from the forward it is given: give it a copy, keep the full one.
         scored = dataclasses.replace(fwd, depth_hidden=fwd.depth_hidden[:active])
         return self._score(scored, specs, main), fwd
