@@ -18,6 +18,9 @@ Ops measured (each kernel vs its twin, same inputs):
   carry ``over_forward_only_time`` (≈ 1 for the two no-grad rows) and ``over_forward_only_mem``.
 - ``verify_drafts``: speculative verification at batch 64, k=4, vocab 128256, ``greedy`` (bf16 logits) and
   ``sampling`` (fp32 probabilities p and q, random numbers drawn inside the call by both backends).
+- ``verify_tree``: draft-tree verification at the same batch and vocab, a static tree of branching ``4,2,2,1``
+  (45 nodes with the root, depth 4), candidates drawn from q without replacement; ``greedy`` (bf16 logits),
+  ``sampling`` (fp32 p and q) and ``sampling (deterministic)`` (no q: the candidates are point masses).
 
 On a GPU, time is ``triton.testing.do_bench`` (median ms) and memory is the peak of ``torch.cuda.max_memory_allocated``
 above what was allocated before the call. Without a GPU the script is a smoke test: small shapes, kernels run in
@@ -30,6 +33,7 @@ Usage::
 
     python benchmarks/kernels.py                      # GPU if present, else the CPU smoke test (< 2 min)
     python benchmarks/kernels.py --out benchmarks/results/kernels.json --tokens 16384 --depths 3
+    python benchmarks/kernels.py --skip-ce --skip-gate --skip-chain   # the tree-verify rows alone
     python benchmarks/kernels.py --backends torch --skip-ce --skip-verify --tokens 512 --hidden 256 --vocab 8192 \
         --reps 9 --threads 1 --append                 # + the twin's no-grad gate on CPU at 2048 rows
 """
@@ -60,6 +64,8 @@ from lightning_mtp.kernels import (  # noqa: E402
     linear_cross_entropy_triton,
     verify_drafts_torch,
     verify_drafts_triton,
+    verify_tree_torch,
+    verify_tree_triton,
 )
 from lightning_mtp.kernels.dispatch import interpreter_ready  # noqa: E402
 from lightning_mtp.kernels.linear_cross_entropy import fused_chunked_pass  # noqa: E402
@@ -89,15 +95,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--verify-batch", type=int, default=64 if gpu_default else 8)
     parser.add_argument("--verify-k", type=int, default=4)
     parser.add_argument("--verify-vocab", type=int, default=128256 if gpu_default else 1000)
+    parser.add_argument("--tree-batch", type=int, default=64 if gpu_default else 2, help="rows of the tree verify")
+    parser.add_argument("--tree-branching", default="4,2,2,1" if gpu_default else "2,1",
+                        help="static draft tree of the tree verify: children per node at each depth")
     parser.add_argument("--reps", type=int, default=2, help="CPU only: timed repetitions (median)")
     parser.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (default: torch's)")
     parser.add_argument("--backends", default=",".join(OURS + EXTERNAL),
                         help="comma-separated: triton, torch (the twin), liger, cce (GPU only, when installed)")
     parser.add_argument("--skip-ce", action="store_true")
     parser.add_argument("--skip-gate", action="store_true", help="skip the no-grad gradient-gate rows")
-    parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--skip-verify", action="store_true", help="skip both verification ops (chain and tree)")
+    parser.add_argument("--skip-chain", action="store_true", help="skip verify_drafts (chain verification)")
+    parser.add_argument("--skip-tree", action="store_true", help="skip verify_tree (draft-tree verification)")
     args = parser.parse_args()
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.tree_branching = tuple(int(b) for b in args.tree_branching.split(",") if b.strip())
     unknown = sorted(set(args.backends) - set(OURS + EXTERNAL))
     if unknown:
         parser.error(f"--backends: unknown {unknown}; choose from {list(OURS + EXTERNAL)}")
@@ -344,6 +356,59 @@ def bench_verify(rows_out: list[dict]) -> None:
         add_rows(rows_out, "verify_drafts", mode, shape, results)
 
 
+def static_tree(branching: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Parents and depths of a static tree in breadth-first order (root first)."""
+    parents, depths, frontier = [0], [0], [0]
+    for level, width in enumerate(branching, start=1):
+        children = [node for node in frontier for _ in range(width)]
+        frontier = list(range(len(parents), len(parents) + len(children)))
+        parents += children
+        depths += [level] * len(children)
+    return parents, depths
+
+
+def bench_verify_tree(rows_out: list[dict]) -> None:
+    device = "cuda" if ON_GPU else "cpu"
+    batch, vocab, branching = ARGS.tree_batch, ARGS.verify_vocab, ARGS.tree_branching
+    parents, depths = static_tree(branching)
+    size = len(parents)
+    gen = torch.Generator(device).manual_seed(0)
+    p = torch.softmax(torch.randn(batch, size, vocab, device=device, generator=gen) * 3, dim=-1)
+    q = torch.softmax(torch.randn(batch, size, vocab, device=device, generator=gen) * 3, dim=-1)
+    q = 0.5 * q + 0.5 * p
+    tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
+    for node in range(size):  # each node's candidates: drawn from its q without replacement
+        kids = [i for i in range(1, size) if parents[i] == node]
+        if kids:
+            tokens[:, kids] = torch.multinomial(q[:, node], len(kids), replacement=False, generator=gen)
+    parents_t = torch.tensor(parents, device=device).expand(batch, -1)
+    depths_t = torch.tensor(depths, device=device).expand(batch, -1)
+    logits = torch.log(p).to(torch.bfloat16)
+    fns = {name: fn for name, fn in {"triton": verify_tree_triton, "torch": verify_tree_torch}.items()
+           if name in ARGS.backends}
+    passes = {"greedy": (logits, None, "greedy"), "sampling": (p, q, "sampling"),
+              "sampling (deterministic)": (p, None, "sampling")}
+    for pass_name, (target, draft_probs, mode) in passes.items():
+        shape = dict(batch=batch, nodes=size, branching=list(branching), depth=len(branching), vocab=vocab,
+                     target_dtype="bf16" if mode == "greedy" else "fp32")
+
+        def call(fn, seed=1, target=target, draft_probs=draft_probs, mode=mode, gen=None):
+            return fn(tokens, parents_t, depths_t, target, draft_probs, mode=mode, max_depth=len(branching),
+                      generator=gen or torch.Generator(device).manual_seed(seed))
+
+        outs = {name: call(fn) for name, fn in fns.items()}
+        if len(outs) == 2:
+            same = all(torch.equal(a, b) for a, b in zip(outs["triton"], outs["torch"]))
+            accepted = outs["torch"].num_accepted.float().mean().item()
+            print(f"verify_tree[{pass_name}] triton == torch: {same}  (mean accepted {accepted:.2f})")
+            shape["triton_equals_torch"] = same
+        results = {}
+        for name, fn in fns.items():
+            vgen = torch.Generator(device).manual_seed(1)
+            results[name] = measure(lambda fn=fn, vgen=vgen, call=call: call(fn, gen=vgen))
+        add_rows(rows_out, "verify_tree", pass_name, shape, results)
+
+
 def add_rows(rows_out: list[dict], op: str, pass_name: str, shape: dict, results: dict) -> None:
     """One row per backend. ``torch_over_triton_time`` and ``triton_over_torch_mem`` compare the kernel with its twin
     (same value on both rows of a pass); ``time_vs_torch_twin`` and ``mem_vs_torch_twin`` put each backend, Liger
@@ -387,8 +452,10 @@ def main() -> None:
         bench_linear_cross_entropy(rows)
     if not ARGS.skip_gate:
         bench_grad_gate(rows)
-    if not ARGS.skip_verify:
+    if not ARGS.skip_verify and not ARGS.skip_chain:
         bench_verify(rows)
+    if not ARGS.skip_verify and not ARGS.skip_tree:
+        bench_verify_tree(rows)
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if ARGS.append and out.exists():

@@ -51,9 +51,11 @@ class CascadedMTPModule(nn.Module):
         sin: Tensor,
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        mask: Optional[Tensor] = None,
     ) -> Tensor:
         # hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H)
-        return self.block(self.block_input(hidden, token_embedding), cos, sin, positions, cache)
+        # positions: the cache slots written (decoding); mask: (B, 1, T, S) slots each query sees (tree drafting)
+        return self.block(self.block_input(hidden, token_embedding), cos, sin, positions, cache, mask)
 
     def block_input(self, hidden: Tensor, token_embedding: Tensor) -> Tensor:
         """eh_proj([enorm(Emb); hnorm(h)]): (B, T, H) twice -> (B, T, H)."""
@@ -90,9 +92,10 @@ class ParallelMTPHead(nn.Module):
         sin: Tensor,
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        mask: Optional[Tensor] = None,
     ) -> Tensor:
         # hidden: the trunk's h_0 at positions i (B, T, H); the token embedding is unused (same call signature)
-        return self.block(hidden, cos, sin, positions, cache)
+        return self.block(hidden, cos, sin, positions, cache, mask)
 
     def block_input(self, hidden: Tensor, token_embedding: Optional[Tensor]) -> Tensor:
         """The block reads the trunk's hidden state as it is."""

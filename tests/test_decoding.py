@@ -89,9 +89,9 @@ def test_speculative_greedy_equals_plain_greedy(models, architecture, draft_toke
     input_ids, mask, prompts = ragged_prompts()
     expected = [alone(model, p, 40) for p in prompts]
 
-    single = model.generate(prompts[0].unsqueeze(0), 40, draft_tokens=draft_tokens)
+    single = model.generate(prompts[0].unsqueeze(0), 40, draft_tokens=draft_tokens, speculative=True)
     assert rows_of(single) == expected[:1]
-    batched = model.generate(input_ids, 40, draft_tokens=draft_tokens, attention_mask=mask)
+    batched = model.generate(input_ids, 40, draft_tokens=draft_tokens, attention_mask=mask, speculative=True)
     assert rows_of(batched) == expected
     plain_batched = model.generate(input_ids, 40, speculative=False, attention_mask=mask)
     assert rows_of(plain_batched) == expected
@@ -282,7 +282,7 @@ def test_budget_shorter_than_a_step(models):
 def test_dynamic_draft_length_keeps_greedy_output(models, architecture, policy):
     model = models[architecture]
     input_ids, mask, prompts = ragged_prompts()
-    fixed = model.generate(input_ids, 40, attention_mask=mask)
+    fixed = model.generate(input_ids, 40, attention_mask=mask, speculative=True)
     dynamic = model.generate(input_ids, 40, attention_mask=mask, **policy)
     assert rows_of(dynamic) == [alone(model, p, 40) for p in prompts]
     # it did draft less than the full depth at some steps
@@ -295,7 +295,7 @@ def test_stats_count_forwards_and_the_bonus_token(models):
     prompt = ragged_prompts()[2][0].unsqueeze(0)
     plain = model.generate(prompt, 20, speculative=False).stats
     assert plain.main_forwards == 20 and plain.tau == 1.0 and plain.max_drafts == 0
-    spec = model.generate(prompt, 20).stats
+    spec = model.generate(prompt, 20, speculative=True).stats
     hist = spec.accepted_length_histogram
     assert len(hist) == 4 and sum(hist) == spec.main_forwards - 1  # one verify per step after the prefill
     # every step emits its accepted drafts plus one token, except a step cut by the budget
@@ -350,7 +350,7 @@ def test_typical_acceptance_is_opt_in(models):
         ((torch.tensor([[1, VOCAB]]), 4), {}, r"input_ids: token ids must lie in \[0, 16\)"),
         ((torch.tensor([[1, -3]]), 4), {}, "input_ids: token ids"),
         ((torch.ones(1, 90, dtype=torch.long), 7), {}, "max_new_tokens: prompt .* exceeds the model's context of 96"),
-        ((torch.ones(1, 3, dtype=torch.long), 4), {"draft_tokens": 4}, "draft_tokens=4 exceeds the MTP depth D=3"),
+        ((torch.ones(1, 3, dtype=torch.long), 4), {"draft_tokens": 17}, r"draft_tokens .* must be an integer in \[1, 16\]"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"draft_tokens": 0}, "draft_tokens"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"top_p": 1.5}, "top_p"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"top_k": 0}, "top_k"),

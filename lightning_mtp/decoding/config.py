@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
+
+from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, TreeShape
 
 ACCEPTANCE_RULES = ("exact", "typical")
 
@@ -41,11 +43,23 @@ class GenerationConfig:
     """Keep the k most likely tokens before sampling (ties with the k-th are kept)."""
     top_p: Optional[float] = None
     """Keep the smallest set of most likely tokens whose probability sums to ≥ p, in (0, 1]."""
-    speculative: bool = True
-    """Draft with the MTP heads and verify with the main model; ``False`` is plain autoregressive decoding with the
-    same KV cache (the reference)."""
+    speculative: Union[bool, Literal["auto"]] = "auto"
+    """``"auto"``: every step picks its draft (a plain step, a chain, or a tree) from costs measured on this machine
+    and model (a short calibration at the first call, kept per model, batch size and device) and the running
+    acceptance, so speculation never costs more than it returns (:mod:`lightning_mtp.decoding.auto`). ``True``:
+    always draft (``draft_tokens`` / ``draft_tree``); ``False``: plain autoregressive decoding with the same KV
+    cache (the reference). All three give the same greedy output and the same sampling distribution."""
     draft_tokens: Optional[int] = None
-    """Most drafts per step, 1..D (default: the MTP depth D)."""
+    """Drafts per step (default: the MTP depth D). Above D (cascaded modules only, up to 16) the last MTP module is
+    applied again on its own output."""
+    draft_tree: Optional[list[int]] = None
+    """Static draft tree: candidates per node at each depth, e.g. ``[4, 2, 1]`` (4 at depth 1, 2 under each at
+    depth 2, 1 under each at depth 3; 20 nodes verified in one forward). ``None``: a chain of ``draft_tokens``."""
+    draft_tree_nodes: Optional[int] = None
+    """Dynamic draft tree (EAGLE-2): keep the ``draft_tree_nodes`` candidates with the highest cumulative draft
+    probability, expanding the ``draft_tree_top_k`` best nodes of each depth down to ``draft_tokens`` (default D)."""
+    draft_tree_top_k: int = 4
+    """Dynamic tree: candidates per expanded node and nodes expanded per depth."""
     eos_token_id: Optional[int] = None
     """Stop a row after it emits this token (``predict_step`` defaults to the datamodule's EOS)."""
     pad_token_id: Optional[int] = None
@@ -90,8 +104,14 @@ class GenerationConfig:
             raise _fail("top_k", f"must be an integer >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise _fail("top_p", f"must be in (0, 1] or None, got {self.top_p!r}")
-        if self.draft_tokens is not None and (not _is_int(self.draft_tokens) or self.draft_tokens < 1):
-            raise _fail("draft_tokens", f"must be an integer >= 1 or None (= the MTP depth), got {self.draft_tokens!r}")
+        if self.speculative not in (True, False, "auto"):
+            raise _fail("speculative", f"must be true, false or 'auto', got {self.speculative!r}")
+        if self.draft_tokens is not None and (
+            not _is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_DEPTH
+        ):
+            raise _fail("draft_tokens", f"must be an integer in [1, {MAX_DRAFT_DEPTH}] or None (= the MTP depth), "
+                        f"got {self.draft_tokens!r}")
+        self._check_tree()
         if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
             raise _fail("eos_token_id", f"must be a token id >= 0 or None, got {self.eos_token_id!r}")
         if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
@@ -111,6 +131,50 @@ class GenerationConfig:
             raise _fail("seed", f"must be an integer >= 0 or None, got {self.seed!r}")
         if not self.typical_delta > 0:
             raise _fail("typical_delta", f"must be > 0, got {self.typical_delta!r}")
+
+    def _check_tree(self) -> None:
+        tree = self.draft_tree
+        if tree is not None:
+            if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__") or not list(tree) or any(
+                not _is_int(b) or b < 1 for b in tree
+            ) or len(list(tree)) > MAX_DRAFT_DEPTH:
+                raise _fail("draft_tree", f"must be a list of 1..{MAX_DRAFT_DEPTH} integers >= 1 (candidates per "
+                            f"node at each depth, e.g. [4, 2, 1]) or None, got {tree!r}")
+            self.draft_tree = [int(b) for b in tree]
+            if self.draft_tokens is not None:
+                raise _fail("draft_tree", "and draft_tokens both set: the tree's length is its depth; leave "
+                            "draft_tokens unset")
+        nodes = self.draft_tree_nodes
+        if nodes is not None:
+            if not _is_int(nodes) or not 1 <= nodes <= 256:
+                raise _fail("draft_tree_nodes", f"must be an integer in [1, 256] or None, got {nodes!r}")
+            if tree is not None:
+                raise _fail("draft_tree_nodes", "and draft_tree both set: pick a static tree (draft_tree) or a "
+                            "dynamic one (draft_tree_nodes)")
+        if not _is_int(self.draft_tree_top_k) or self.draft_tree_top_k < 1:
+            raise _fail("draft_tree_top_k", f"must be an integer >= 1, got {self.draft_tree_top_k!r}")
+        if tree is not None or nodes is not None:
+            for field in self.chain_options():
+                raise _fail(field, f"={getattr(self, field)!r} cannot be combined with draft trees: it applies to "
+                            "chains of at most D drafts (leave draft_tree / draft_tree_nodes unset)")
+
+    def chain_options(self) -> list[str]:
+        """Options that only the chain drafter has (``speculative="auto"`` then keeps the fixed chain of D)."""
+        chosen = {"acceptance": self.acceptance != "exact",
+                  "draft_confidence_threshold": self.draft_confidence_threshold is not None,
+                  "adaptive_draft_tokens": self.adaptive_draft_tokens, "compile": self.compile}
+        return [field for field, on in chosen.items() if on]
+
+    def tree_shape(self, mtp_depth: int) -> Optional[TreeShape]:
+        """The fixed draft shape of ``speculative=True`` (``None``: the chain path of ``draft_tokens`` <= D)."""
+        depth = self.draft_tokens or mtp_depth
+        if self.draft_tree is not None:
+            return TreeShape(branching=tuple(self.draft_tree))
+        if self.draft_tree_nodes is not None:
+            return TreeShape(nodes=self.draft_tree_nodes, top_k=self.draft_tree_top_k, max_depth=depth)
+        if depth > mtp_depth:
+            return TreeShape.chain(depth)
+        return None
 
     @property
     def sampling(self) -> bool:

@@ -50,6 +50,23 @@ class DecodingHost(Protocol):
         """Each row now holds ``lengths`` (B,) valid positions; later positions may be dropped."""
 
 
+@runtime_checkable
+class TreeHost(DecodingHost, Protocol):
+    """A host that can also verify draft *trees* (``GenerationConfig.draft_tree``, drafts beyond D, ``auto``)."""
+
+    def forward_tree(self, input_ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, state: Any) -> Tensor:
+        """Like :meth:`DecodingHost.forward`, but token i has rotary position ``positions[:, i]``, is written at
+        cache slot ``slots[:, i]`` and sees exactly the slots where ``mask`` (B, 1, T, S) is True."""
+
+    def keep_path(self, state: Any, sources: Tensor, targets: Tensor) -> None:
+        """Move the cache entries at slots ``sources`` (B, A) to slots ``targets`` (B, A) (the accepted path to
+        its positions); gathers before it writes."""
+
+
+def supports_trees(host: Any) -> bool:
+    return callable(getattr(host, "forward_tree", None)) and callable(getattr(host, "keep_path", None))
+
+
 class CausalLMHost:
     """:class:`DecodingHost` of the bundled :class:`~lightning_mtp.models.CausalLM` (static positional KV caches)."""
 
@@ -69,6 +86,18 @@ class CausalLMHost:
 
     def rollback(self, state: list, lengths: Tensor) -> None:
         """Nothing to do: stale slots are masked by position and overwritten later."""
+
+    def forward_tree(self, input_ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, state: list) -> Tensor:
+        """Trunk over tree nodes (B, T): rotary ``positions``, cache ``slots`` and the ``mask`` (B, 1, T, S) of the
+        slots each node sees (:class:`TreeHost`)."""
+        return self.model(input_ids, positions, state, slots=slots, mask=mask)
+
+    def keep_path(self, state: list, sources: Tensor, targets: Tensor) -> None:
+        """Copy every layer's cached keys/values from slots ``sources`` (B, A) to ``targets`` (B, A)."""
+        rows = torch.arange(sources.shape[0], device=sources.device).unsqueeze(1)
+        for cache in state:
+            cache.k[rows, targets] = cache.k[rows, sources]
+            cache.v[rows, targets] = cache.v[rows, sources]
 
 
 def decoding_host(module: nn.Module) -> DecodingHost:

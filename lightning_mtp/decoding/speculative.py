@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens
 from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import speculative_step, verify_forward
+from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+from lightning_mtp.decoding.tree_policy import draft_plan
+from lightning_mtp.decoding.tree_step import tree_step
 
 
 # ----------------------------------------------------------------------------------------------- input handling
@@ -120,6 +123,7 @@ def decode(
     generator: Optional[torch.Generator] = None,
     sync_ranks: bool = False,
     fused_step: Optional[Callable] = None,
+    policy: Optional[Any] = None,
 ) -> GenerateOutput:
     """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
 
@@ -129,22 +133,29 @@ def decode(
     ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
     ``fused_step``: :func:`~lightning_mtp.decoding.step.speculative_step` compiled (greedy, fixed draft length),
     used from the second step on (the first fills the MTP modules' caches over the whole prompt).
+    ``policy``: what each step drafts (``next()`` / ``observe_step()``): :class:`DraftLength` for the chain drafter
+    (the default), :class:`FixedTree` or :class:`~lightning_mtp.decoding.auto.AutoPolicy` for the tree drafter.
     """
     start = time.perf_counter()
     device = prompts.device
     params = SamplingParams(config.temperature, config.top_k, config.top_p)
-    max_drafts = 0
+    max_drafts, extra_slots = 0, 0
+    tree_mode = isinstance(drafter, MTPTreeDrafter)
     if drafter is not None:
-        max_drafts = config.draft_tokens or drafter.max_drafts
+        max_drafts = drafter.max_drafts if tree_mode else config.draft_tokens or drafter.max_drafts
         if max_drafts > drafter.max_drafts:
             raise ValueError(f"draft_tokens={max_drafts} exceeds the MTP depth D={drafter.max_drafts} "
                              "(--model.mtp.depth)")
+        if policy is None:
+            policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
+        extra_slots = getattr(policy, "max_nodes", 0)
     draft_params = SamplingParams() if config.acceptance == "typical" else params  # Medusa drafts top-1 candidates
     batch = prompts.shape[0]
     eos = config.eos_token_id
     state = new_state(prompts, lengths, config.max_new_tokens, max_drafts)
-    cache_len = state.tokens.shape[1]  # prompt + budget + k + 1 spare slots
+    cache_len = state.tokens.shape[1] + extra_slots  # prompt + budget + k + 1 spare slots (+ tree scratch slots)
     cache = host.allocate(batch, cache_len)
+    state.cache_len = cache_len
     draft_state = None
     if drafter is not None:
         with gathered_output_head(getattr(drafter, "module", None)) if sync_ranks else contextlib.nullcontext():
@@ -157,7 +168,6 @@ def decode(
     first = choose_tokens(logits, params, generator)  # (B,)
     emit(state, first.unsqueeze(1), torch.ones_like(first), config.max_new_tokens, eos)
     host.rollback(cache, state.newest)
-    length_policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
 
     finished = _all_done(state, sync_ranks)
     while not finished:
@@ -170,12 +180,16 @@ def decode(
             continue
         # the first step's windows cover the whole prompt; later steps have one shape (MTPDrafter.fixed_window)
         step = fused_step if fused_step is not None and state.main_forwards > 1 else speculative_step
-        summary = step(host, drafter, draft_state, cache, state, length_policy.next(), draft_params, config, generator)
+        if tree_mode:
+            step = tree_step
+        option = policy.next()
+        step_start = time.perf_counter()
+        summary = step(host, drafter, draft_state, cache, state, option, draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
-        length_policy.update(reached, int(active_rows))
+        policy.observe_step(option, reached, int(active_rows), time.perf_counter() - step_start)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -228,7 +242,7 @@ def generate(
     temperature: float = 0.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    speculative: bool = True,
+    speculative: Union[bool, str] = "auto",
     draft_tokens: Optional[int] = None,
     eos_token_id: Optional[int] = None,
     pad_token_id: Optional[int] = None,
@@ -247,8 +261,10 @@ def generate(
         temperature: 0 = greedy, else sampling from softmax(logits / temperature).
         top_k: keep the k most likely tokens when sampling.
         top_p: nucleus sampling threshold in (0, 1].
-        speculative: draft with the MTP heads and verify; ``False`` is plain autoregressive decoding (the reference).
-        draft_tokens: drafts per step, 1..D (default D).
+        speculative: ``"auto"`` (each step drafts what pays, measured; see :mod:`lightning_mtp.decoding.auto`),
+            ``True`` (always draft: ``draft_tokens``, ``draft_tree`` or ``draft_tree_nodes``) or ``False`` (plain
+            autoregressive decoding, the reference).
+        draft_tokens: drafts per step (default D; above D, cascaded modules only, the last module is re-applied).
         eos_token_id: a row stops after emitting it.
         pad_token_id: fills ``sequences`` and ``new_tokens`` after a row's last new token; default: the pad id of the
             module's ``mtp_tokenizer`` record (the tokenizer it was trained with), else ``eos_token_id``.
@@ -279,17 +295,17 @@ def generate(
             raise ValueError("generate() takes either seed or generator, not both: the seed would be ignored")
         generator = torch.Generator(device=module_device_dtype(module)[0]).manual_seed(config.seed)
     host = decoding_host(module)
-    drafter = MTPDrafter(module) if speculative else None
     sync_ranks = needs_rank_sync(module)
+    device, _ = module_device_dtype(module)
+    drafter, policy = draft_plan(module, host, config, prompt_batch(input_ids), device, sync_ranks)
     fused_step = None
     if config.compile:
         if sync_ranks:
             raise ValueError("compile (--model.generation.compile) cannot be used with DeepSpeed ZeRO-3 on several "
                              "processes; leave it False")
-        fixed_greedy = (speculative and not config.sampling and config.draft_confidence_threshold is None
+        fixed_greedy = (drafter is not None and not config.sampling and config.draft_confidence_threshold is None
                         and not config.adaptive_draft_tokens)
         host, drafter, fused_step = compile_decoding(module, host, drafter, fixed_greedy)
-    device, _ = module_device_dtype(module)
     prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
     check_budget(lengths, config.max_new_tokens, host.max_context)
     if sync_ranks and config.draft_confidence_threshold is not None and speculative:
@@ -298,11 +314,16 @@ def generate(
             "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
             "of parameter all-gathers, and deadlock; leave it unset"
         )
-    out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step)
+    out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     new_tokens = out.new_tokens.clone()  # (B, N)
     sequences = torch.cat([input_ids.to(device=device, dtype=torch.long), new_tokens], dim=1)  # (B, L + N)
     return GenerateOutput(sequences, new_tokens, out.num_new_tokens.clone(), out.prompt_lengths.clone(), out.stats)
+
+
+def prompt_batch(input_ids: Any) -> int:
+    """Rows of ``input_ids`` (validated later by :func:`prepare_prompts`; 1 when it is not a 2-D tensor yet)."""
+    return int(input_ids.shape[0]) if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else 1
 
 
 def tokenizer_pad_id(module: torch.nn.Module) -> Optional[int]:

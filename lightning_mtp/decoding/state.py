@@ -35,6 +35,8 @@ class DecodeState:
     accepted: Tensor
     histogram: Tensor
     main_forwards: int = 0
+    cache_len: int = 0
+    """Slots of the decoding caches (the tree attention masks span them)."""
 
 
 def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts: int) -> DecodeState:

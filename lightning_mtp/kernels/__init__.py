@@ -7,6 +7,7 @@ dispatcher                  torch twin (CPU path, reference)   Triton kernel (CU
 ==========================  =================================  ==================================
 ``linear_cross_entropy``    ``linear_cross_entropy_torch``     ``linear_cross_entropy_triton``
 ``verify_drafts``           ``verify_drafts_torch``            ``verify_drafts_triton``
+``verify_tree``             ``verify_tree_torch``              ``verify_tree_triton``
 ==========================  =================================  ==================================
 
 The dispatchers take ``backend="auto" | "triton" | "torch"``. ``auto`` defers to ``$LIGHTNING_MTP_KERNELS`` (same
@@ -48,6 +49,8 @@ from lightning_mtp.kernels.linear_cross_entropy_torch import (
 )
 from lightning_mtp.kernels.speculative_verify import verify_drafts_triton
 from lightning_mtp.kernels.speculative_verify_torch import VerifyOutput, sampling_randomness, verify_drafts_torch
+from lightning_mtp.kernels.tree_verify import verify_tree_triton
+from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput, tree_sampling_randomness, verify_tree_torch
 
 
 def linear_cross_entropy(
@@ -105,8 +108,36 @@ def verify_drafts(
     return verify_drafts_torch(draft_tokens, target, draft_probs, **kwargs)
 
 
+def verify_tree(
+    tokens: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    target: Tensor,
+    draft_probs: Optional[Tensor] = None,
+    *,
+    mode: str = "greedy",
+    max_depth: Optional[int] = None,
+    uniforms: Optional[Tensor] = None,
+    exponentials: Optional[Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    backend: str = "auto",
+) -> TreeVerifyOutput:
+    """Verify draft trees against the target model: the longest accepted path per row plus one more token.
+
+    See :func:`verify_tree_torch` for the arguments, the acceptance rules (greedy; recursive rejection sampling with
+    candidates drawn without replacement, or deterministic candidates) and the outputs; ``backend`` picks the
+    implementation (module docstring). Both backends draw the same random numbers from ``generator`` and return
+    identical tokens.
+    """
+    kwargs = dict(mode=mode, max_depth=max_depth, uniforms=uniforms, exponentials=exponentials, generator=generator)
+    if resolve_backend(backend, tokens, parents, depths, target, draft_probs) == "triton":
+        return verify_tree_triton(tokens, parents, depths, target, draft_probs, **kwargs)
+    return verify_tree_torch(tokens, parents, depths, target, draft_probs, **kwargs)
+
+
 __all__ = [
     "LinearCrossEntropyOutput",
+    "TreeVerifyOutput",
     "VerifyOutput",
     "default_chunk_size",
     "linear_cross_entropy",
@@ -117,4 +148,8 @@ __all__ = [
     "verify_drafts",
     "verify_drafts_torch",
     "verify_drafts_triton",
+    "tree_sampling_randomness",
+    "verify_tree",
+    "verify_tree_torch",
+    "verify_tree_triton",
 ]

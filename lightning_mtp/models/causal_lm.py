@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH
 from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm, RotaryTable, mlp_hidden_size, visible_slots
 from lightning_mtp.mixin import MTPMixin, check_block_spec
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
@@ -133,7 +134,7 @@ class CausalLM(MTPMixin, L.LightningModule):
             if cfg.tie_embeddings:
                 # One weight for input and output embeddings (Press & Wolf 2017, https://arxiv.org/abs/1608.05859).
                 self.lm_head.weight = self.embed.weight
-            self.rope = RotaryTable(cfg.max_seq_len + self.mtp_config.depth + 1, cfg.dim // cfg.n_heads, cfg.rope_base)
+            self.rope = RotaryTable(cfg.max_seq_len + max(self.mtp_config.depth, MAX_DRAFT_DEPTH) + 1, cfg.dim // cfg.n_heads, cfg.rope_base)
             self._init_weights([self.embed, self.layers, self.norm, self.lm_head])
         built_mtp = self.mtp_modules is None
         super().configure_model()
@@ -177,7 +178,7 @@ class CausalLM(MTPMixin, L.LightningModule):
             n_kv_heads=None if self.mtp_config.num_heads else cfg.n_kv_heads,
             mlp_hidden=mlp_hidden_size(cfg.dim, self.mtp_config.mlp_ratio or cfg.mlp_ratio),
             eps=cfg.norm_eps,
-            max_positions=cfg.max_seq_len + self.mtp_config.depth + 1,
+            max_positions=cfg.max_seq_len + max(self.mtp_config.depth, MAX_DRAFT_DEPTH) + 1,
         )
 
     def mtp_vocab_size(self) -> int:
@@ -191,12 +192,19 @@ class CausalLM(MTPMixin, L.LightningModule):
 
     # ----------------------------------------------------------------- trunk
     def forward(
-        self, input_ids: Tensor, positions: Optional[Tensor] = None, caches: Optional[list[KVCache]] = None
+        self,
+        input_ids: Tensor,
+        positions: Optional[Tensor] = None,
+        caches: Optional[list[KVCache]] = None,
+        slots: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Trunk's last hidden state (B, T, H), before the final norm.
 
         Training: ``positions`` and ``caches`` are ``None`` (causal attention over the sequence). Decoding:
-        ``positions`` (B, T) are each row's cache slots for these tokens, and ``caches`` one :class:`KVCache` per layer.
+        ``positions`` (B, T) are each token's position (rotary embedding, and by default its cache slot), ``caches``
+        one :class:`KVCache` per layer. Tree verification writes the tokens at other cache ``slots`` (B, T) and passes
+        the ``mask`` (B, 1, T, S) of the slots each token sees (its ancestors; :mod:`lightning_mtp.decoding.tree`).
         """
         self._ensure_built()
         # Cached decoding validates its prompts once (decoding.generate) and feeds back only the model's own tokens,
@@ -209,10 +217,12 @@ class CausalLM(MTPMixin, L.LightningModule):
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
             )
         cos, sin = self.rope(input_ids.shape[1], positions)
-        mask = None if caches is None else visible_slots(positions, caches[0].max_len)  # (B, 1, T, S), all layers
+        if caches is not None and mask is None:
+            mask = visible_slots(positions, caches[0].max_len)  # (B, 1, T, S), all layers
+        slots = positions if slots is None else slots
         x = self.embed(input_ids)  # (B, T, H)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, None if caches is None else caches[i], mask=mask)
+            x = layer(x, cos, sin, slots, None if caches is None else caches[i], mask=mask)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

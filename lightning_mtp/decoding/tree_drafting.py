@@ -1,0 +1,257 @@
+"""Tree drafting with the MTP modules: several candidates per depth, one batched call per depth, drafts beyond D.
+
+Indexing as in :mod:`lightning_mtp.decoding.drafting` (``n`` = a row's newest position; depth k at position i predicts
+t(i+k+1)). A cascaded module k reads h_(k-1)(j) and Emb(t(j+k)) at position j. Its entries split in two:
+
+* the **linear part**, positions ``j <= n - k``: every input is a committed token, the same for every branch. It is
+  computed once (the positions not computed yet: ``windows[k-1]`` of them ending at ``n - k``), written to the
+  module's positional KV cache at slot j, and its outputs h_k(j) are kept (``hidden[k]``) for module k+1;
+* the **tree part**, positions ``n - k + m`` for the tree's nodes c at depths ``m = 1 .. k-1``: input Emb(token of c)
+  and h_(k-1) *at c's parent* (module k-1's output there; at the root, module k-1's last linear output). These are the
+  tree itself shifted by k, run as extra tokens of the same call with a tree attention mask (each node sees the linear
+  slots and its ancestors), written at scratch slots ``n + local index`` that the next step's linear part overwrites.
+
+Module k's outputs at the nodes of depth k-1 give the logits of depth k; their best candidates (greedy: top-b of the
+logits; sampling, static trees: drawn without replacement from the draft distribution q, Gumbel-top-b; dynamic trees:
+top-b of q, verified as point masses) become the nodes of depth k. Depths beyond the number D of modules re-apply the
+last cascaded module on its own output (as vLLM does for k > n_predict), each virtual depth with its own KV cache.
+
+Parallel heads (Meta 2024) all read h_0(n-1): head k's candidates are the same under every node of depth k-1.
+
+After verification only the accepted path matters: the trunk's hidden states along it are :meth:`observe`-d at their
+positions and every module's linear window grows by the tokens the row advanced (:meth:`commit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
+from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, static_layout, tree_attention_mask
+from lightning_mtp.layers import KVCache
+
+
+@dataclass
+class TreeDraftState:
+    caches: list[KVCache]
+    """One KV cache per drafted depth (depths beyond D re-use the last module's weights, not its cache)."""
+    hidden: Tensor
+    """(S, B, L, H) by position: index 0 the trunk's h_0, index k the linear outputs h_k of depth k (cascaded)."""
+    windows: list[int]
+    """Per depth: linear positions (ending at the depth's linear end) still to compute."""
+    rows: Tensor
+    """(B, 1) row indices."""
+    ran: int = 0
+    """Depths drafted in the current step."""
+
+
+@dataclass
+class _Candidates:
+    """Every candidate node created so far in a step (global index 0 = the root; depth-d nodes follow depth d-1)."""
+
+    tokens: Tensor  # (B, G+1)
+    parents: Tensor  # (B, G+1)
+    depths: Tensor  # (B, G+1)
+    scores: Tensor  # (B, G+1) cumulative draft log-probability (dynamic trees)
+
+
+class MTPTreeDrafter:
+    """Drafts trees (and chains: ``TreeShape.chain(k)``) with the MTP modules of an ``MTPMixin`` module.
+
+    Args:
+        module: the ``MTPMixin`` module.
+        max_depth: the deepest tree any step of the call drafts (may exceed D for cascaded modules).
+    """
+
+    def __init__(self, module: nn.Module, max_depth: int) -> None:
+        self.module = module
+        self.modules = module.require_mtp_modules()
+        self.cascaded = module.mtp_config.architecture == "cascaded"
+        self.num_modules = len(self.modules)
+        if not self.cascaded and max_depth > self.num_modules:
+            raise ValueError(
+                f"drafts beyond the MTP depth need cascaded modules: parallel heads predict fixed offsets, so a "
+                f"draft depth of {max_depth} needs {max_depth} heads, the model has D={self.num_modules} "
+                "(--model.generation.draft_tokens / draft_tree)"
+            )
+        self.max_drafts = max_depth
+        self.embed = module.mtp_draft_embedding() if self.cascaded else None
+        self._ranks: dict[tuple, Tensor] = {}
+
+    def layout_ranks(self, shape: TreeShape, device: torch.device) -> Tensor:
+        """(N+1,) sibling rank of every node of a static tree (cached)."""
+        key = (shape.branching, str(device))
+        if key not in self._ranks:
+            self._ranks[key] = static_layout(shape, device).ranks
+        return self._ranks[key]
+
+    def _module_index(self, depth: int) -> int:
+        return min(depth, self.num_modules) - 1
+
+    def allocate(self, batch_size: int, max_len: int) -> TreeDraftState:
+        weight = self.module.mtp_output_head().weight
+        device, dtype = weight.device, weight.dtype
+        caches = []
+        for depth in range(1, self.max_drafts + 1):
+            attn = self.modules[self._module_index(depth)].block.attn
+            caches.append(KVCache(batch_size, max_len, attn.n_kv_heads, attn.head_dim, device=device, dtype=dtype))
+        slots = self.max_drafts if self.cascaded else 1
+        hidden = torch.zeros(slots, batch_size, max_len, weight.shape[1], device=device, dtype=dtype)
+        rows = torch.arange(batch_size, device=device).unsqueeze(1)
+        return TreeDraftState(caches, hidden, [0] * self.max_drafts, rows)
+
+    def observe(self, state: TreeDraftState, hidden: Tensor, positions: Tensor) -> None:
+        """The trunk's hidden states (B, T, H) at ``positions`` (B, T) (prefill, and the accepted path)."""
+        state.hidden[0][state.rows, positions] = hidden.to(state.hidden.dtype)
+
+    def commit(self, state: TreeDraftState, advanced: int) -> None:
+        """Every row's newest token moved by at most ``advanced`` positions."""
+        for k in range(self.max_drafts):
+            state.windows[k] = advanced if k < state.ran else state.windows[k] + advanced
+        state.ran = 0
+
+    # ------------------------------------------------------------------------------------------- one depth
+    def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor, cand: _Candidates,
+                   node_index: Tensor, node_hidden: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """Run depth k over its linear window and the tree nodes ``node_index`` (B, M) (global indices, depths
+        1..k-1, breadth-first). Returns (root output (B, H), node outputs (B, M, H))."""
+        rows = state.rows
+        module = self.modules[self._module_index(k)]
+        shift = k if self.cascaded else 1
+        linear_end = newest - shift  # (B,)
+        width = state.windows[k - 1]
+        steps = torch.arange(-width + 1, 1, device=newest.device)
+        linear = (linear_end.unsqueeze(1) + steps).clamp_min(0)  # (B, W)
+        source = state.hidden[k - 1] if self.cascaded else state.hidden[0]
+        h_in = source[rows, linear]  # (B, W, H)
+        emb = self.embed(tokens[rows, linear + k]) if self.cascaded else None  # Emb(t(j+k)), committed
+        positions, slots, mask = linear, linear, None
+        size = node_index.shape[1]
+        if size:
+            parents = cand.parents[rows, node_index]  # (B, M) global
+            h_in = torch.cat([h_in, node_hidden[rows, parents]], dim=1)  # h_(k-1) at each node's parent
+            node_tokens = cand.tokens[rows, node_index].clamp_min(0)
+            emb = torch.cat([emb, self.embed(node_tokens)], dim=1)
+            node_depths = cand.depths[rows, node_index]
+            positions = torch.cat([linear, linear_end.unsqueeze(1) + node_depths], dim=1)
+            slots = torch.cat([linear, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
+            # ancestors among this depth's nodes: the global table restricted to node_index
+            anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
+            anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))  # (B, M, M)
+            mask = tree_attention_mask(linear_end, newest, anc, state.caches[k - 1].max_len, linear)
+        cos, sin = self.module.mtp_rope(positions.shape[1], positions)
+        out = module(h_in, emb, cos, sin, slots, state.caches[k - 1], mask)  # (B, W + M, H)
+        if self.cascaded and k < self.max_drafts:
+            state.hidden[k][rows, linear] = out[:, :width]
+        return out[:, width - 1], out[:, width:]
+
+    # ------------------------------------------------------------------------------------------- candidates
+    def _candidates(self, logits: Tensor, count: int, params: SamplingParams, sampled: bool,
+                    generator: Optional[torch.Generator], k: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Children of every frontier node from its depth-k logits (B, F, V): tokens (B, F, count) (-1 = none),
+        their draft log-probabilities, and the distribution they were drawn from (sampled candidates only)."""
+        temperature = self.module.mtp_draft_temperatures[self._module_index(k)]
+        if params.greedy:
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            values, tokens = logp.topk(count, dim=-1)
+            return tokens, values, None
+        q = logits_to_probs(logits / temperature, params.temperature, params.top_k, params.top_p)  # (B, F, V)
+        logq = torch.log(q)
+        keys = logq
+        if sampled:  # Gumbel-top-b = `count` draws without replacement, in draw order
+            uniform = torch.rand(q.shape, device=q.device, generator=generator).clamp_min(1e-20)
+            keys = logq - torch.log(-torch.log(uniform))
+        top, tokens = keys.topk(count, dim=-1)
+        values = logq.gather(-1, tokens)
+        tokens = torch.where(torch.isfinite(top), tokens, torch.full_like(tokens, -1))
+        return tokens, torch.where(tokens >= 0, values, torch.full_like(values, float("-inf"))), (
+            q if sampled else None)
+
+    # ------------------------------------------------------------------------------------------- the tree
+    def draft(self, state: TreeDraftState, tokens: Tensor, newest: Tensor, shape: TreeShape,
+              params: SamplingParams, generator: Optional[torch.Generator] = None) -> DraftTree:
+        """Draft one tree of ``shape`` after every row's newest token (``tokens`` (B, L) holds committed tokens)."""
+        if shape.depth > self.max_drafts:
+            raise ValueError(f"tree depth {shape.depth} exceeds this call's drafter depth {self.max_drafts}")
+        batch, device, rows = tokens.shape[0], tokens.device, state.rows
+        sampled = not params.greedy and not shape.dynamic
+        root = tokens.gather(1, newest.view(-1, 1))  # (B, 1)
+        zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        cand = _Candidates(root, zeros, zeros, torch.zeros(batch, 1, device=device))
+        frontier = zeros  # (B, F) global indices of the nodes whose children this depth drafts
+        module_nodes = zeros[:, :0]  # (B, M) nodes the tree part of the next depth runs over
+        node_hidden = None  # (B, G+1, H) previous depth's outputs by node (root at 0)
+        draft_q: list[tuple[Tensor, Tensor]] = []  # (frontier, q) of sampled candidates
+        state.ran = 0
+        for k in range(1, shape.depth + 1):
+            root_out, node_out = self._run_depth(state, k, tokens, newest, cand, module_nodes, node_hidden)
+            state.ran = k
+            size = cand.tokens.shape[1]
+            if self.cascaded:
+                node_hidden = root_out.new_zeros(batch, size, root_out.shape[-1])
+                node_hidden[:, 0] = root_out
+                if module_nodes.shape[1]:
+                    node_hidden[rows, module_nodes] = node_out
+                frontier_hidden = node_hidden[rows, frontier]  # (B, F, H)
+            else:
+                frontier_hidden = root_out.unsqueeze(1)  # one head, the same children under every node
+            logits = self.module.mtp_depth_logits(self._module_index(k) + 1, frontier_hidden)  # (B, F|1, V)
+            count = shape.top_k if shape.dynamic else shape.branching[k - 1]
+            count = min(count, logits.shape[-1])
+            child_tokens, child_logp, q = self._candidates(logits, count, params, sampled, generator, k)
+            width = frontier.shape[1]
+            if child_tokens.shape[1] != width:  # parallel heads: the same candidates under each frontier node
+                child_tokens = child_tokens.expand(batch, width, count)
+                child_logp = child_logp.expand(batch, width, count)
+                q = None if q is None else q.expand(batch, width, q.shape[-1])
+            if q is not None:
+                draft_q.append((frontier, q))
+            parent_ok = cand.tokens[rows, frontier] >= 0  # (B, F) children of an absent node are absent
+            child_tokens = torch.where(parent_ok.unsqueeze(2), child_tokens, torch.full_like(child_tokens, -1))
+            scores = cand.scores[rows, frontier].unsqueeze(2) + child_logp  # (B, F, count)
+            scores = torch.where(child_tokens >= 0, scores, torch.full_like(scores, float("-inf")))
+            new_index = size + torch.arange(width * count, device=device).expand(batch, -1)  # (B, F*count)
+            cand = _Candidates(
+                torch.cat([cand.tokens, child_tokens.reshape(batch, -1)], dim=1),
+                torch.cat([cand.parents, frontier.repeat_interleave(count, dim=1)], dim=1),
+                torch.cat([cand.depths, torch.full_like(new_index, k)], dim=1),
+                torch.cat([cand.scores, scores.reshape(batch, -1)], dim=1),
+            )
+            if k == shape.depth:
+                break
+            if shape.dynamic:  # EAGLE-2: expand the top_k new nodes by cumulative draft probability
+                best = scores.reshape(batch, -1).topk(min(shape.top_k, width * count), dim=1).indices
+                frontier = new_index.gather(1, best.sort(dim=1).values)
+            else:
+                frontier = new_index
+            if self.cascaded:
+                module_nodes = torch.cat([module_nodes, frontier], dim=1)
+        return self._finish(cand, shape, draft_q)
+
+    def _finish(self, cand: _Candidates, shape: TreeShape, draft_q: list[tuple[Tensor, Tensor]]) -> DraftTree:
+        """The step's tree (static: every candidate; dynamic: the ``nodes`` best, breadth-first)."""
+        batch, size = cand.tokens.shape
+        rows = torch.arange(batch, device=cand.tokens.device).unsqueeze(1)
+        probs = None
+        if draft_q:
+            vocab = draft_q[0][1].shape[-1]
+            probs = cand.tokens.new_zeros(batch, size, vocab, dtype=torch.float32)
+            for frontier, q in draft_q:
+                probs[rows, frontier] = q.float()
+        if not shape.dynamic:
+            return DraftTree(cand.tokens, cand.parents, cand.depths, probs)
+        nodes = min(shape.nodes, size - 1)
+        # ties: a child never outranks its parent (keeps the chosen set ancestor-closed)
+        key = cand.scores[:, 1:] - 1e-6 * cand.depths[:, 1:]
+        chosen = key.topk(nodes, dim=1).indices + 1  # (B, N) global indices
+        order = cand.depths.gather(1, chosen) * size + chosen  # breadth-first: by depth, then creation order
+        chosen = chosen.gather(1, order.argsort(dim=1))
+        index = torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1)  # (B, N+1) with the root
+        local = torch.zeros(batch, size, dtype=torch.long, device=chosen.device)
+        local.scatter_(1, index, torch.arange(nodes + 1, device=chosen.device).expand(batch, -1))
+        parents = local.gather(1, cand.parents.gather(1, index))
+        return DraftTree(cand.tokens.gather(1, index), parents, cand.depths.gather(1, index), None)

@@ -1,0 +1,124 @@
+"""Which drafter a decoding call uses and what each of its steps drafts.
+
+``speculative=False``: none. ``speculative=True``: the chain drafter for ``draft_tokens <= D`` (its fixed or adaptive
+length, :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one fixed shape
+(:class:`FixedTree`: a static tree, a dynamic tree, or a chain longer than D). ``speculative="auto"``: the tree drafter
+with :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among plain steps, chains and trees (only plain
+steps and chains on a host without tree verification). ``auto`` keeps the fixed chain of D under DeepSpeed ZeRO-3 on
+several processes (every rank must run the same forwards) and when a chain-only option is set (``compile``,
+``acceptance="typical"``, ``draft_confidence_threshold``, ``adaptive_draft_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, calibrate, candidate_options, memory_for
+from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.drafting import MTPDrafter
+from lightning_mtp.decoding.host import supports_trees
+from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, MAX_RANK, TreeShape
+from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+
+class FixedTree:
+    """Every step drafts the same tree (or chain) shape."""
+
+    def __init__(self, shape: TreeShape) -> None:
+        self.shape = shape
+        self.max_nodes = shape.num_nodes + 1
+
+    def next(self) -> TreeShape:
+        return self.shape
+
+    def observe_step(self, option: Any, extra: list, active_rows: int, seconds: float) -> None:
+        """Nothing to learn."""
+
+
+class AutoSteps:
+    """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy (tree or chain drafter)."""
+
+    def __init__(self, policy: AutoPolicy, max_depth: int, tree_mode: bool) -> None:
+        self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
+        self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
+
+    def next(self) -> Any:
+        option = self.policy.next()
+        if self.tree_mode:
+            return option
+        return 0 if option is None else option.depth  # the chain drafter takes a draft count
+
+    def observe_step(self, option: Any, extra: list, active_rows: int, seconds: float) -> None:
+        if active_rows <= 0:
+            return
+        if not self.tree_mode:
+            shape = None if option == 0 else TreeShape.chain(option)
+            accepted = extra[:option]
+            ranks = []
+            for d in range(1, option + 1):
+                reached = active_rows if d == 1 else accepted[d - 2]
+                ranks.append([reached, accepted[d - 1]])
+        else:
+            shape = option
+            accepted = extra[: self.max_depth]
+            flat = extra[self.max_depth:]
+            width = MAX_RANK + 1
+            depth = 0 if shape is None else shape.depth
+            ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
+        tokens = 1.0 + sum(accepted) / active_rows
+        self.policy.update(shape, seconds, tokens, ranks)
+
+
+def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
+               sync_ranks: bool) -> tuple[Optional[Any], Optional[Any]]:
+    """(drafter, step policy) of a decoding call; ``(None, None)`` for plain decoding."""
+    if config.speculative is False:
+        return None, None
+    modules = module.require_mtp_modules()
+    depth = len(modules)
+    cascaded = module.mtp_config.architecture == "cascaded"
+    trees = supports_trees(host)
+    if config.speculative is True:
+        shape = config.tree_shape(depth)
+        if shape is None:
+            return MTPDrafter(module), None
+        if not trees:
+            raise ValueError(
+                f"{type(host).__name__} cannot verify draft trees or chains longer than the MTP depth D={depth} "
+                "(draft_tree / draft_tree_nodes / draft_tokens > D need a host with forward_tree and keep_path, e.g. "
+                "the bundled CausalLM); use draft_tokens <= D, or speculative='auto'"
+            )
+        return MTPTreeDrafter(module, shape.depth), FixedTree(shape)
+    if sync_ranks or config.chain_options():  # a chain-only option, or every rank must draft the same
+        if config.tree_shape(depth) is not None:
+            why = "DeepSpeed ZeRO-3 on several processes" if sync_ranks else ", ".join(config.chain_options())
+            raise ValueError(f"draft_tokens={config.draft_tokens} > D={depth} (a chain through re-applied modules) "
+                             f"cannot be combined with {why}; use draft_tokens <= {depth}")
+        return MTPDrafter(module), None
+    requested = config.tree_shape(depth)
+    if requested is not None and not trees:
+        raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
+                         f"draft_tokens > D={depth}); leave them unset with speculative='auto'")
+    if requested is not None:
+        options = [None, requested]
+    else:
+        max_depth = config.draft_tokens or (min(depth + 1, MAX_DRAFT_DEPTH) if cascaded else depth)
+        options = candidate_options(max_depth, depth, cascaded, trees)
+    if not trees:
+        options = [o for o in options if o is None or (o.is_chain and o.depth <= depth)]
+    dtype = module.mtp_output_head().weight.dtype
+    key = (type(host).__name__, batch, str(device), str(dtype), config.sampling)
+    memory = memory_for(module, key, lambda: AutoMemory(calibrate(host, module, batch, device)))
+    if config.sampling:
+        # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
+        # sampling decides from the calibration and this call's own acceptance only, never from timings taken
+        # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
+        memory = AutoMemory(memory.costs)
+    policy = AutoPolicy(memory, options, learn_costs=not config.sampling)
+    max_depth = max(o.depth for o in options if o is not None)
+    if trees:
+        return MTPTreeDrafter(module, max_depth), AutoSteps(policy, max_depth, tree_mode=True)
+    return MTPDrafter(module), AutoSteps(policy, max_depth, tree_mode=False)

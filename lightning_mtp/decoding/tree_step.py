@@ -1,0 +1,113 @@
+"""One step of tree speculative decoding: draft a tree, verify every node in one trunk forward, keep the accepted path.
+
+The trunk scores ``[newest token, N draft nodes]`` of every row with a tree attention mask (node i at rotary position
+``newest + depth(i)``, written at cache slot ``newest + i``, seeing the committed prefix and its ancestors). After
+acceptance (:func:`~lightning_mtp.kernels.verify_tree`) the accepted path's keys and values are moved to their real
+positions (``TreeHost.keep_path``), the trunk's hidden states along the path go to the drafter, and the accepted tokens
+are emitted as in chain decoding. ``option=None`` is a plain step (one token per row, no drafting) with the same
+bookkeeping, so :mod:`lightning_mtp.decoding.auto` can mix plain and drafting steps in one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.host import TreeHost
+from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
+from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
+from lightning_mtp.decoding.tree import MAX_RANK, DraftTree, TreeShape, ancestors, tree_attention_mask
+from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
+from lightning_mtp.kernels import verify_tree
+from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput
+
+
+def verify_tree_forward(host: TreeHost, cache: Any, state: DecodeState, tree: DraftTree, depth: int) -> Tensor:
+    """Trunk over every row's tree (B, N+1); returns its hidden states (B, N+1, H)."""
+    newest = state.newest
+    size = tree.tokens.shape[1]
+    positions = newest.unsqueeze(1) + tree.depths  # (B, T)
+    slots = newest.unsqueeze(1) + torch.arange(size, device=newest.device)  # (B, T)
+    mask = tree_attention_mask(newest - 1, newest, ancestors(tree.parents, depth), state.cache_len)  # (B, 1, T, S)
+    hidden = host.forward_tree(tree.tokens.clamp_min(0), positions, slots, mask, cache)
+    state.main_forwards += 1
+    return hidden
+
+
+def accept_tree(tree: DraftTree, logits: Tensor, config: GenerationConfig, depth: int,
+                generator: Optional[torch.Generator]) -> TreeVerifyOutput:
+    """Greedy: the longest path of target argmaxes; sampling: recursive rejection sampling (exact)."""
+    if not config.sampling:
+        return verify_tree(tree.tokens, tree.parents, tree.depths, logits, mode="greedy", max_depth=depth)
+    probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, T, V) = p
+    return verify_tree(tree.tokens, tree.parents, tree.depths, probs, tree.probs, mode="sampling", max_depth=depth,
+                       generator=generator)
+
+
+def tree_step(
+    host: TreeHost,
+    drafter: MTPTreeDrafter,
+    draft_state: TreeDraftState,
+    cache: Any,
+    state: DecodeState,
+    option: Optional[TreeShape],
+    draft_params: SamplingParams,
+    config: GenerationConfig,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Draft a tree of shape ``option`` (``None``: a plain step), verify, accept, emit, move the caches.
+
+    Returns the step's summary (one host sync): [all rows done, most tokens a row advanced, active rows, accepted
+    drafts per depth (``drafter.max_drafts`` entries)].
+    """
+    active = ~state.done
+    newest = state.newest.clone()
+    rows = torch.arange(newest.shape[0], device=newest.device).unsqueeze(1)
+    max_depth = drafter.max_drafts
+    if option is None:
+        positions = newest.unsqueeze(1)  # (B, 1)
+        hidden = host.forward(state.tokens.gather(1, positions), positions, cache)
+        state.main_forwards += 1
+        token = choose_tokens(host.main_logits(hidden)[:, 0], SamplingParams(
+            config.temperature, config.top_k, config.top_p), generator)  # (B,)
+        drafter.observe(draft_state, hidden, positions)
+        advanced = emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+        accepted = torch.zeros(max_depth, dtype=torch.long, device=newest.device)
+        ranks = accepted.new_zeros(0)
+    else:
+        depth = option.depth
+        tree = drafter.draft(draft_state, state.tokens, newest, option, draft_params, generator)
+        hidden = verify_tree_forward(host, cache, state, tree, depth)  # (B, T, H)
+        verdict = accept_tree(tree, host.main_logits(hidden), config, depth, generator)
+        steps = torch.arange(depth + 1, device=newest.device)
+        host.keep_path(cache, newest.unsqueeze(1) + verdict.path, newest.unsqueeze(1) + steps)
+        drafter.observe(draft_state, hidden[rows, verdict.path], newest.unsqueeze(1) + steps)
+        drafted = torch.zeros(newest.shape[0], depth, dtype=torch.long, device=newest.device)
+        accepted = record_acceptance(state, drafted, verdict.num_accepted, active)
+        accepted = torch.cat([accepted, accepted.new_zeros(max_depth - depth)])
+        ranks = rank_counts(drafter, option, verdict, active)
+        advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens,
+                        config.eos_token_id)
+    host.rollback(cache, state.newest)
+    return torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted, ranks])
+
+
+def rank_counts(drafter: MTPTreeDrafter, shape: TreeShape, verdict: TreeVerifyOutput, active: Tensor) -> Tensor:
+    """(depth * (1 + MAX_RANK),) per depth d: active rows whose path reached depth d-1, then how many accepted the
+    rank-0, rank-1, ... candidate at depth d (static trees; zeros for dynamic ones)."""
+    depth = shape.depth
+    counts = torch.zeros(depth, 1 + MAX_RANK, dtype=torch.long, device=active.device)
+    if shape.dynamic:
+        return counts.flatten()
+    ranks = drafter.layout_ranks(shape, active.device)[verdict.path[:, 1:]]  # (B, depth)
+    levels = torch.arange(1, depth + 1, device=active.device)
+    n = verdict.num_accepted.unsqueeze(1)
+    reached = (n >= levels - 1) & active.unsqueeze(1)  # (B, depth)
+    hit = (n >= levels) & active.unsqueeze(1)
+    counts[:, 0] = reached.sum(dim=0)
+    onehot = torch.nn.functional.one_hot(ranks.clamp_max(MAX_RANK - 1), MAX_RANK) * hit.unsqueeze(2)
+    counts[:, 1:] = onehot.sum(dim=0)
+    return counts.flatten()
