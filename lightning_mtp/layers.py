@@ -106,9 +106,11 @@ class KVCache:
 
         No host sync: the caller's mask (:func:`visible_slots`) hides the slots beyond each query's position.
         """
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
-        self.k[rows, positions] = k.to(self.k.dtype)
-        self.v[rows, positions] = v.to(self.v.dtype)
+        batch, slots = self.k.shape[:2]
+        rows = torch.arange(batch, device=k.device).unsqueeze(1) * slots  # (B, 1)
+        index = (rows + positions).flatten()  # (B*T,) rows of the flattened cache
+        self.k.view(batch * slots, *self.k.shape[2:]).index_copy_(0, index, k.flatten(0, 1).to(self.k.dtype))
+        self.v.view(batch * slots, *self.v.shape[2:]).index_copy_(0, index, v.flatten(0, 1).to(self.v.dtype))
         return self.k, self.v
 
 

@@ -138,6 +138,8 @@ class DraftTree(NamedTuple):
     """(B, N+1, V) sampling with sampled candidates: at each node, the draft distribution ``q`` its children were drawn
     from (without replacement, in sibling order). ``None``: greedy, or deterministic candidates (verified as point
     masses, see :mod:`lightning_mtp.kernels.tree_verify_torch`)."""
+    anc: Optional[Tensor] = None
+    """(B or 1, N+1, N+1) :func:`ancestors` of ``parents``, when known (static trees: computed once per shape)."""
 
     @property
     def num_nodes(self) -> int:

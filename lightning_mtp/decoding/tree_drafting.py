@@ -80,14 +80,22 @@ class MTPTreeDrafter:
             )
         self.max_drafts = max_depth
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
-        self._ranks: dict[tuple, Tensor] = {}
+        self._static: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self.report_ranks = False
+        """Whether tree steps report the accepted sibling ranks (``speculative="auto"`` learns from them)."""
+
+    def static_tables(self, shape: TreeShape, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(ranks, ancestors (1, N+1, N+1), parents (1, N+1), depths (1, N+1)) of a static tree (once per shape)."""
+        key = (shape.branching, str(device))
+        if key not in self._static:
+            layout = static_layout(shape, device)
+            self._static[key] = (layout.ranks, ancestors(layout.parents.unsqueeze(0), shape.depth),
+                                 layout.parents.unsqueeze(0), layout.depths.unsqueeze(0))
+        return self._static[key]
 
     def layout_ranks(self, shape: TreeShape, device: torch.device) -> Tensor:
-        """(N+1,) sibling rank of every node of a static tree (cached)."""
-        key = (shape.branching, str(device))
-        if key not in self._ranks:
-            self._ranks[key] = static_layout(shape, device).ranks
-        return self._ranks[key]
+        """(N+1,) sibling rank of every node of a static tree."""
+        return self.static_tables(shape, device)[0]
 
     def _module_index(self, depth: int) -> int:
         return min(depth, self.num_modules) - 1
@@ -116,7 +124,8 @@ class MTPTreeDrafter:
 
     # ------------------------------------------------------------------------------------------- one depth
     def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor, cand: _Candidates,
-                   node_index: Tensor, node_hidden: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                   node_index: Tensor, node_hidden: Optional[Tensor],
+                   static_anc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """Run depth k over its linear window and the tree nodes ``node_index`` (B, M) (global indices, depths
         1..k-1, breadth-first). Returns (root output (B, H), node outputs (B, M, H))."""
         rows = state.rows
@@ -132,16 +141,23 @@ class MTPTreeDrafter:
         positions, slots, mask = linear, linear, None
         size = node_index.shape[1]
         if size:
-            parents = cand.parents[rows, node_index]  # (B, M) global
+            if static_anc is not None:  # static trees: this depth's nodes are 1..M (breadth-first)
+                parents = cand.parents[:, 1 : size + 1].expand(newest.shape[0], size)
+                node_tokens = cand.tokens[:, 1 : size + 1].clamp_min(0)
+                node_depths = cand.depths[:, 1 : size + 1]
+            else:
+                parents = cand.parents[rows, node_index]  # (B, M) global
+                node_tokens = cand.tokens[rows, node_index].clamp_min(0)
+                node_depths = cand.depths[rows, node_index]
             h_in = torch.cat([h_in, node_hidden[rows, parents]], dim=1)  # h_(k-1) at each node's parent
-            node_tokens = cand.tokens[rows, node_index].clamp_min(0)
             emb = torch.cat([emb, self.embed(node_tokens)], dim=1)
-            node_depths = cand.depths[rows, node_index]
             positions = torch.cat([linear, linear_end.unsqueeze(1) + node_depths], dim=1)
             slots = torch.cat([linear, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
-            # ancestors among this depth's nodes: the global table restricted to node_index
-            anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
-            anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))  # (B, M, M)
+            if static_anc is not None:  # static trees: this depth's nodes are 1..M, their table is precomputed
+                anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(newest.shape[0], size, size)
+            else:  # ancestors among this depth's nodes: the global table restricted to node_index
+                anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
+                anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))  # (B, M, M)
             mask = tree_attention_mask(linear_end, newest, anc, state.caches[k - 1].max_len, linear)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, state.caches[k - 1], mask)  # (B, W + M, H)
@@ -151,11 +167,15 @@ class MTPTreeDrafter:
 
     # ------------------------------------------------------------------------------------------- candidates
     def _candidates(self, logits: Tensor, count: int, params: SamplingParams, sampled: bool,
-                    generator: Optional[torch.Generator], k: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                    generator: Optional[torch.Generator], k: int,
+                    scored: bool = True) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """Children of every frontier node from its depth-k logits (B, F, V): tokens (B, F, count) (-1 = none),
         their draft log-probabilities, and the distribution they were drawn from (sampled candidates only)."""
         temperature = self.module.mtp_draft_temperatures[self._module_index(k)]
         if params.greedy:
+            if not scored:  # static trees only need the order, which the draft temperature does not change
+                values, tokens = logits.topk(count, dim=-1)
+                return tokens, torch.zeros_like(values, dtype=torch.float32), None
             logp = torch.log_softmax(logits.float() / temperature, dim=-1)
             values, tokens = logp.topk(count, dim=-1)
             return tokens, values, None
@@ -186,12 +206,19 @@ class MTPTreeDrafter:
         module_nodes = zeros[:, :0]  # (B, M) nodes the tree part of the next depth runs over
         node_hidden = None  # (B, G+1, H) previous depth's outputs by node (root at 0)
         draft_q: list[tuple[Tensor, Tensor]] = []  # (frontier, q) of sampled candidates
+        static_anc = None
+        if not shape.dynamic:
+            _, static_anc, static_parents, static_depths = self.static_tables(shape, device)
         state.ran = 0
         for k in range(1, shape.depth + 1):
-            root_out, node_out = self._run_depth(state, k, tokens, newest, cand, module_nodes, node_hidden)
+            root_out, node_out = self._run_depth(state, k, tokens, newest, cand, module_nodes, node_hidden,
+                                                 static_anc)
             state.ran = k
             size = cand.tokens.shape[1]
-            if self.cascaded:
+            if self.cascaded and static_anc is not None:  # nodes 1..M ran, in order; the frontier is their tail
+                node_hidden = torch.cat([root_out.unsqueeze(1), node_out], dim=1)  # (B, 1 + M, H)
+                frontier_hidden = node_hidden[:, node_hidden.shape[1] - frontier.shape[1]:]  # (B, F, H)
+            elif self.cascaded:
                 node_hidden = root_out.new_zeros(batch, size, root_out.shape[-1])
                 node_hidden[:, 0] = root_out
                 if module_nodes.shape[1]:
@@ -202,7 +229,8 @@ class MTPTreeDrafter:
             logits = self.module.mtp_depth_logits(self._module_index(k) + 1, frontier_hidden)  # (B, F|1, V)
             count = shape.top_k if shape.dynamic else shape.branching[k - 1]
             count = min(count, logits.shape[-1])
-            child_tokens, child_logp, q = self._candidates(logits, count, params, sampled, generator, k)
+            child_tokens, child_logp, q = self._candidates(logits, count, params, sampled, generator, k,
+                                                           scored=shape.dynamic)
             width = frontier.shape[1]
             if child_tokens.shape[1] != width:  # parallel heads: the same candidates under each frontier node
                 child_tokens = child_tokens.expand(batch, width, count)
@@ -210,17 +238,25 @@ class MTPTreeDrafter:
                 q = None if q is None else q.expand(batch, width, q.shape[-1])
             if q is not None:
                 draft_q.append((frontier, q))
-            parent_ok = cand.tokens[rows, frontier] >= 0  # (B, F) children of an absent node are absent
-            child_tokens = torch.where(parent_ok.unsqueeze(2), child_tokens, torch.full_like(child_tokens, -1))
-            scores = cand.scores[rows, frontier].unsqueeze(2) + child_logp  # (B, F, count)
-            scores = torch.where(child_tokens >= 0, scores, torch.full_like(scores, float("-inf")))
             new_index = size + torch.arange(width * count, device=device).expand(batch, -1)  # (B, F*count)
-            cand = _Candidates(
-                torch.cat([cand.tokens, child_tokens.reshape(batch, -1)], dim=1),
-                torch.cat([cand.parents, frontier.repeat_interleave(count, dim=1)], dim=1),
-                torch.cat([cand.depths, torch.full_like(new_index, k)], dim=1),
-                torch.cat([cand.scores, scores.reshape(batch, -1)], dim=1),
-            )
+            if static_anc is not None:  # node tables are the precomputed layout; candidates are never absent
+                if not params.greedy:  # ... unless q has fewer tokens than the branching (then -1, and below)
+                    parent_ok = cand.tokens[:, size - width : size] >= 0
+                    child_tokens = torch.where(parent_ok.unsqueeze(2), child_tokens, torch.full_like(child_tokens, -1))
+                end = size + width * count
+                cand = _Candidates(torch.cat([cand.tokens, child_tokens.reshape(batch, -1)], dim=1),
+                                   static_parents[:, :end], static_depths[:, :end], cand.scores)
+            else:
+                parent_ok = cand.tokens[rows, frontier] >= 0  # (B, F) children of an absent node are absent
+                child_tokens = torch.where(parent_ok.unsqueeze(2), child_tokens, torch.full_like(child_tokens, -1))
+                scores = cand.scores[rows, frontier].unsqueeze(2) + child_logp  # (B, F, count)
+                scores = torch.where(child_tokens >= 0, scores, torch.full_like(scores, float("-inf")))
+                cand = _Candidates(
+                    torch.cat([cand.tokens, child_tokens.reshape(batch, -1)], dim=1),
+                    torch.cat([cand.parents, frontier.repeat_interleave(count, dim=1)], dim=1),
+                    torch.cat([cand.depths, torch.full_like(new_index, k)], dim=1),
+                    torch.cat([cand.scores, scores.reshape(batch, -1)], dim=1),
+                )
             if k == shape.depth:
                 break
             if shape.dynamic:  # EAGLE-2: expand the top_k new nodes by cumulative draft probability
@@ -230,7 +266,8 @@ class MTPTreeDrafter:
                 frontier = new_index
             if self.cascaded:
                 module_nodes = torch.cat([module_nodes, frontier], dim=1)
-        return self._finish(cand, shape, draft_q)
+        tree = self._finish(cand, shape, draft_q)
+        return tree if static_anc is None else tree._replace(anc=static_anc)
 
     def _finish(self, cand: _Candidates, shape: TreeShape, draft_q: list[tuple[Tensor, Tensor]]) -> DraftTree:
         """The step's tree (static: every candidate; dynamic: the ``nodes`` best, breadth-first)."""
@@ -243,7 +280,7 @@ class MTPTreeDrafter:
             for frontier, q in draft_q:
                 probs[rows, frontier] = q.float()
         if not shape.dynamic:
-            return DraftTree(cand.tokens, cand.parents, cand.depths, probs)
+            return DraftTree(cand.tokens, cand.parents.expand(batch, size), cand.depths.expand(batch, size), probs)
         nodes = min(shape.nodes, size - 1)
         # ties: a child never outranks its parent (keeps the chosen set ancestor-closed)
         key = cand.scores[:, 1:] - 1e-6 * cand.depths[:, 1:]

@@ -120,5 +120,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     policy = AutoPolicy(memory, options, learn_costs=not config.sampling)
     max_depth = max(o.depth for o in options if o is not None)
     if trees:
-        return MTPTreeDrafter(module, max_depth), AutoSteps(policy, max_depth, tree_mode=True)
+        drafter = MTPTreeDrafter(module, max_depth)
+        drafter.report_ranks = True
+        return drafter, AutoSteps(policy, max_depth, tree_mode=True)
     return MTPDrafter(module), AutoSteps(policy, max_depth, tree_mode=False)

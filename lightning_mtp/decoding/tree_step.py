@@ -31,7 +31,8 @@ def verify_tree_forward(host: TreeHost, cache: Any, state: DecodeState, tree: Dr
     size = tree.tokens.shape[1]
     positions = newest.unsqueeze(1) + tree.depths  # (B, T)
     slots = newest.unsqueeze(1) + torch.arange(size, device=newest.device)  # (B, T)
-    mask = tree_attention_mask(newest - 1, newest, ancestors(tree.parents, depth), state.cache_len)  # (B, 1, T, S)
+    anc = tree.anc.expand(newest.shape[0], size, size) if tree.anc is not None else ancestors(tree.parents, depth)
+    mask = tree_attention_mask(newest - 1, newest, anc, state.cache_len)  # (B, 1, T, S)
     hidden = host.forward_tree(tree.tokens.clamp_min(0), positions, slots, mask, cache)
     state.main_forwards += 1
     return hidden
@@ -41,10 +42,11 @@ def accept_tree(tree: DraftTree, logits: Tensor, config: GenerationConfig, depth
                 generator: Optional[torch.Generator]) -> TreeVerifyOutput:
     """Greedy: the longest path of target argmaxes; sampling: recursive rejection sampling (exact)."""
     if not config.sampling:
-        return verify_tree(tree.tokens, tree.parents, tree.depths, logits, mode="greedy", max_depth=depth)
+        return verify_tree(tree.tokens, tree.parents, tree.depths, logits, mode="greedy", max_depth=depth,
+                           anc=tree.anc)
     probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, T, V) = p
     return verify_tree(tree.tokens, tree.parents, tree.depths, probs, tree.probs, mode="sampling", max_depth=depth,
-                       generator=generator)
+                       generator=generator, anc=tree.anc)
 
 
 def tree_step(
@@ -99,6 +101,8 @@ def rank_counts(drafter: MTPTreeDrafter, shape: TreeShape, verdict: TreeVerifyOu
     """(depth * (1 + MAX_RANK),) per depth d: active rows whose path reached depth d-1, then how many accepted the
     rank-0, rank-1, ... candidate at depth d (static trees; zeros for dynamic ones)."""
     depth = shape.depth
+    if not drafter.report_ranks:
+        return active.new_zeros(0, dtype=torch.long)
     counts = torch.zeros(depth, 1 + MAX_RANK, dtype=torch.long, device=active.device)
     if shape.dynamic:
         return counts.flatten()

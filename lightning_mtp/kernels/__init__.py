@@ -121,18 +121,19 @@ def verify_tree(
     exponentials: Optional[Tensor] = None,
     generator: Optional[torch.Generator] = None,
     backend: str = "auto",
+    anc: Optional[Tensor] = None,
 ) -> TreeVerifyOutput:
     """Verify draft trees against the target model: the longest accepted path per row plus one more token.
 
     See :func:`verify_tree_torch` for the arguments, the acceptance rules (greedy; recursive rejection sampling with
     candidates drawn without replacement, or deterministic candidates) and the outputs; ``backend`` picks the
     implementation (module docstring). Both backends draw the same random numbers from ``generator`` and return
-    identical tokens.
+    identical tokens. ``anc``: the trees' ancestor matrices if already computed (the torch path reuses them).
     """
     kwargs = dict(mode=mode, max_depth=max_depth, uniforms=uniforms, exponentials=exponentials, generator=generator)
     if resolve_backend(backend, tokens, parents, depths, target, draft_probs) == "triton":
         return verify_tree_triton(tokens, parents, depths, target, draft_probs, **kwargs)
-    return verify_tree_torch(tokens, parents, depths, target, draft_probs, **kwargs)
+    return verify_tree_torch(tokens, parents, depths, target, draft_probs, anc=anc, **kwargs)
 
 
 __all__ = [

@@ -203,6 +203,7 @@ def verify_tree_torch(
     uniforms: Optional[Tensor] = None,
     exponentials: Optional[Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    anc: Optional[Tensor] = None,
 ) -> TreeVerifyOutput:
     """Accept the longest valid path of each row's tree and append one corrected (or bonus) token.
 
@@ -215,10 +216,11 @@ def verify_tree_torch(
             replacement; ``None``: deterministic candidates (point masses).
         max_depth: the trees' depth (computed with one host sync when not given).
         uniforms, exponentials, generator: randomness (see :func:`tree_sampling_randomness`).
+        anc: (B or 1, T, T) :func:`ancestors` of ``parents`` when the caller has it already.
     """
     batch, size, vocab = check_tree_inputs(tokens, parents, depths, target, draft_probs, mode)
     depth = int(depths.max()) if max_depth is None else max_depth
-    anc = ancestors(parents, depth)
+    anc = ancestors(parents, depth) if anc is None else anc.expand(batch, size, size)
     rows = torch.arange(batch, device=target.device)
     valid = (tokens >= 0) & (tokens < vocab)
     valid[:, 0] = True
