@@ -396,3 +396,18 @@ def test_callbacks_read_logits_transformed_like_the_models(transformed_models, m
         raw = depth_head(model, 1)(fwd.depth_hidden[0]).float()
         torch.testing.assert_close(depths[0], scale_and_cap(raw, scale, softcap))
         torch.testing.assert_close(head_logits(model, depth_head(model, 1))(fwd.depth_hidden[0]), depths[0])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("options", [{"speculative": True, "draft_tree": [12, 4, 1]},
+                                     {"speculative": True, "draft_tree_nodes": 24, "draft_tree_top_k": 8},
+                                     {"speculative": True, "draft_tokens": 5}, {"speculative": "auto"}],
+                         ids=["static-tree", "dynamic-tree", "beyond-depth", "auto"])
+def test_tree_verification_on_the_transformers_cache_is_lossless(models, model_type, options):
+    """Trees through a 4-D mask on the DynamicCache, the accepted path compacted in place; ragged left padding."""
+    model = models[model_type]
+    ids, mask = left_padded_prompts()
+    out = model.generate(ids, max_new_tokens=20, attention_mask=mask, eos_token_id=EOS, **options)
+    assert our_tokens(out) == hf_generate(model, ids, mask, new=20, eos=EOS)
+    if "draft_tree" in options:
+        assert out.stats.tau > 1.05  # wide trees get drafts accepted even from untrained heads

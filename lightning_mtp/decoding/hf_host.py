@@ -42,6 +42,8 @@ class HFDecodeState:
     """(B, S) position held by each cache slot of each row."""
     valid: Tensor
     """(B, S) slots a row may attend to."""
+    tree_start: int = 0
+    """Slots before the last tree verification (its nodes follow)."""
 
 
 def _cache_argument(module: nn.Module) -> str:
@@ -113,6 +115,46 @@ class HFCacheHost:
 
     def main_logits(self, hidden: Tensor) -> Tensor:
         return self.logit_transform(self.head(hidden))  # (B, T, V)
+
+    def forward_tree(self, input_ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
+                     state: HFDecodeState) -> Tensor:
+        """Tree verification: the T nodes are appended as new slots; each sees the row's valid slots and the new
+        slots of its ancestors (a 4-D additive mask, which ``transformers`` passes to attention as it is).
+
+        ``slots`` / ``mask`` follow the positional convention (node i at slot ``newest + i``): the node-to-node part
+        of ``mask`` is read from the columns ``slots``.
+        """
+        batch, size = input_ids.shape
+        tree = mask[:, 0].gather(2, slots.unsqueeze(1).expand(batch, size, size))  # (B, T, T) ancestors
+        past = state.valid.unsqueeze(1).expand(batch, size, state.valid.shape[1])  # (B, T, S)
+        visible = torch.cat([past, tree], dim=2).unsqueeze(1)  # (B, 1, T, S + T)
+        dtype = self.head.weight.dtype
+        additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+            ~visible, torch.finfo(dtype).min)
+        state.tree_start = state.valid.shape[1]
+        out = self.trunk(input_ids=input_ids, attention_mask=additive, position_ids=positions, use_cache=True,
+                         **{self._cache_arg: state.cache})
+        state.slot_positions = torch.cat([state.slot_positions, positions], dim=1)  # (B, S + T)
+        state.valid = torch.cat([state.valid, torch.zeros_like(input_ids, dtype=torch.bool)], dim=1)
+        return out.last_hidden_state  # (B, T, H)
+
+    def keep_path(self, state: HFDecodeState, sources: Tensor, targets: Tensor) -> None:
+        """Move the accepted path's entries (positional ``sources`` = ``newest + node``) to the first new slots,
+        in order, and drop the rest of the tree's slots."""
+        start = state.tree_start
+        nodes = sources - targets[:, :1]  # (B, A) node indices along the path
+        keep = nodes.shape[1]
+        for layer in state.cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)  # (B, heads, S + T, head_dim)
+                index = (start + nodes).view(nodes.shape[0], 1, keep, 1).expand(-1, tensor.shape[1], -1,
+                                                                                   tensor.shape[3])
+                tensor[:, :, start : start + keep] = tensor.gather(2, index)
+        drop = state.valid.shape[1] - (start + keep)
+        if drop > 0:
+            state.cache.crop(-drop)
+        state.slot_positions = torch.cat([state.slot_positions[:, :start], targets], dim=1)
+        state.valid = torch.cat([state.valid[:, :start], torch.ones_like(targets, dtype=torch.bool)], dim=1)
 
     def rollback(self, state: HFDecodeState, lengths: Tensor) -> None:
         state.valid &= state.slot_positions < lengths.unsqueeze(1)  # (B, S)
