@@ -8,10 +8,14 @@
    - ``transformers`` greedy ``generate``;
    - ``transformers`` prompt-lookup decoding (``generate(prompt_lookup_num_tokens=...)``);
    - lightning-mtp plain decoding over the same ``transformers`` KV cache (``speculative=False``);
-   - lightning-mtp self-speculative decoding with the MTP heads.
+   - lightning-mtp self-speculative decoding with the MTP heads (``speculative=True``: a chain of D drafts);
+   - lightning-mtp ``speculative="auto"``: each step a plain step or a chain of 1..D drafts, whichever its measured
+     costs and running acceptance say pays (the ``transformers`` host cannot verify trees). It calibrates at its
+     first call, the warm-up, so calibration is not timed.
 
-Reports tokens/s (median over ``--repeats`` interleaved repeats), tau for lightning-mtp (tokens per main-model forward,
-bonus token counted), and whether each output equals ``transformers`` greedy ``generate`` token for token. Writes
+Reports tokens/s (median over ``--repeats`` interleaved repeats), the speedup over ``transformers`` greedy and (our
+rows) over our plain decoding, tau for lightning-mtp (tokens per main-model forward, bonus token counted), which
+options ``auto`` chose, and whether each output equals ``transformers`` greedy ``generate`` token for token. Writes
 ``benchmarks/results/hf_compare.json``.
 
 Usage::
@@ -23,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +39,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_costs import AutoChoices, auto_memory  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
 from lightning_mtp.data import TextDataModule  # noqa: E402
@@ -57,7 +65,7 @@ def prompts_from(data: TextDataModule, count: int, length: int) -> list[torch.Te
     return [tokens[i * 97 : i * 97 + length].view(1, -1) for i in range(count)]  # (1, P) each
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trunk-seconds", type=float, default=120.0)
     parser.add_argument("--heads-seconds", type=float, default=60.0)
@@ -70,7 +78,7 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=3_000_000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_compare.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -109,49 +117,70 @@ def main() -> None:
 
     taus = {}
 
-    def ours(speculative):
+    def ours(name, speculative):
         def run(ids):
             out = model.generate(ids, n, speculative=speculative)
-            taus.setdefault(speculative, []).append(out.stats.tau)
+            taus.setdefault(name, []).append(out.stats.tau)
             return out.new_tokens[0]
         return run
 
     decoders = {"transformers_greedy": hf_greedy, "transformers_prompt_lookup": hf_lookup,
-                "lightning_mtp_plain": ours(False), "lightning_mtp_speculative": ours(True)}
+                "lightning_mtp_plain": ours("lightning_mtp_plain", False),
+                "lightning_mtp_speculative": ours("lightning_mtp_speculative", True),
+                "lightning_mtp_auto": ours("lightning_mtp_auto", "auto")}
+    choices = AutoChoices()
     with torch.inference_mode():
-        for run in decoders.values():  # warm-up
+        for run in decoders.values():  # warm-up (auto calibrates at its first call)
             run(prompts[0])
+        taus.clear()
         reference = [hf_greedy(ids).tolist() for ids in prompts]
         times = {name: [] for name in decoders}
         equal = {name: True for name in decoders}
         for _ in range(args.repeats):
             for name, run in decoders.items():
-                start = time.perf_counter()
-                outputs = [run(ids).tolist() for ids in prompts]
-                times[name].append(time.perf_counter() - start)
+                counting = choices.counting(name) if name == "lightning_mtp_auto" else contextlib.nullcontext()
+                with counting:
+                    start = time.perf_counter()
+                    outputs = [run(ids).tolist() for ids in prompts]
+                    times[name].append(time.perf_counter() - start)
                 equal[name] &= outputs == reference
 
     tokens = n * len(prompts)
     greedy_tps = tokens / statistics.median(times["transformers_greedy"])
+    plain_tps = tokens / statistics.median(times["lightning_mtp_plain"])
     rows = []
     for name in decoders:
         tps = tokens / statistics.median(times[name])
         row = {"decoder": name, "tokens_per_s": tps, "speedup_vs_transformers_greedy": tps / greedy_tps,
                "equals_transformers_greedy": equal[name]}
         if name.startswith("lightning_mtp"):
-            row["tau"] = statistics.mean(taus[name.endswith("speculative")])
+            row["speedup_vs_lightning_mtp_plain"] = tps / plain_tps
+            row["tau"] = statistics.mean(taus[name])
+        if name == "lightning_mtp_auto":
+            row["auto_choices"] = choices.histogram(name)
         rows.append(row)
         print(f"{name:28s} {tps:8.1f} tok/s  x{tps / greedy_tps:4.2f}  equal={equal[name]}"
-              + (f"  tau={row['tau']:.2f}" if "tau" in row else ""))
+              + (f"  tau={row['tau']:.2f}  x{row['speedup_vs_lightning_mtp_plain']:4.2f} vs our plain"
+                 if "tau" in row else ""))
+    auto = next(r for r in rows if r["decoder"] == "lightning_mtp_auto")
+    print("auto chose: " + ", ".join(f"{option} x{count}" for option, count in auto["auto_choices"].items()))
+    targets = {}  # issue #13: auto at least as fast as plain decoding (ours on the same cache, and transformers')
+    for name, key in (("lightning_mtp_auto vs lightning_mtp_plain", "speedup_vs_lightning_mtp_plain"),
+                      ("lightning_mtp_auto vs transformers_greedy", "speedup_vs_transformers_greedy")):
+        targets[name] = {"target": 1.0, "measured": auto[key], "met": auto[key] >= 1.0}
+        print(f"{'MET   ' if auto[key] >= 1.0 else 'MISSED'} {name}: {auto[key]:.2f} (target >= 1.0)")
     result = {
         "setup": {**vars(args), "out": str(args.out), "model": llama, "torch_threads": torch.get_num_threads(),
                   "tokens_per_decoder_run": tokens, "batch_size": 1,
                   "tau_counts_bonus_token": True, "timing": "median over repeats of the whole prompt set"},
         "trunk_training": trunk_info, "heads_training": heads_info, "rows": rows,
+        "targets": targets,
+        "auto_memory": auto_memory(model),  # what auto calibrated and learned on this host
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

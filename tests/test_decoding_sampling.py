@@ -251,7 +251,7 @@ def test_mtp_drafter_sampling_is_lossless():
     model.mtp_draft_temperatures = [1.0, 0.7, 1.5]
     prompt = torch.tensor([[5, 2, 9, 11, 3]])
     rows = 12288
-    out = model.generate(prompt.expand(rows, -1), 3, temperature=1.0, top_k=8,
+    out = model.generate(prompt.expand(rows, -1), 3, temperature=1.0, top_k=8, speculative=True,
                          generator=torch.Generator().manual_seed(0))
     assert out.stats.accepted_per_depth[0] > 0.2 * rows
     with torch.no_grad():

@@ -98,9 +98,10 @@ def test_training_loss_backpropagates_into_trunk_and_heads():
 def test_speculative_greedy_equals_transformers_generate_batch_1(models, model_type):
     model = models[model_type]
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    out = model.generate(ids, max_new_tokens=24)
+    out = model.generate(ids, max_new_tokens=24, speculative=True)
     assert our_tokens(out) == hf_generate(model, ids)
     assert out.stats.max_drafts == 3
+    assert our_tokens(model.generate(ids, max_new_tokens=24)) == hf_generate(model, ids)  # "auto"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

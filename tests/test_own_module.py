@@ -116,10 +116,11 @@ def assert_lossless_greedy(module: nn.Module, prompts: list[torch.Tensor], max_n
     batch; returns the plain and the speculative output."""
     input_ids, mask = left_padded(prompts)
     plain = module.generate(input_ids, max_new_tokens, attention_mask=mask, speculative=False)
-    speculative = module.generate(input_ids, max_new_tokens, attention_mask=mask)
+    speculative = module.generate(input_ids, max_new_tokens, attention_mask=mask, speculative=True)
     reference = [naive_greedy(module, prompt, max_new_tokens) for prompt in prompts]
     assert rows_of(plain) == reference
     assert rows_of(speculative) == reference
+    assert rows_of(module.generate(input_ids, max_new_tokens, attention_mask=mask)) == reference  # "auto"
     for draft_tokens in range(1, module.mtp_config.depth):
         assert rows_of(module.generate(input_ids, max_new_tokens, attention_mask=mask,
                                        draft_tokens=draft_tokens)) == reference

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_mtp.decoding import GenerationConfig
-from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, Costs, candidate_options
+from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, candidate_options
 from lightning_mtp.decoding.sampling import logits_to_probs
 from lightning_mtp.decoding.tree import TreeShape, static_layout, tree_attention_mask
 from lightning_mtp.kernels.tree_verify_torch import ancestors
@@ -125,24 +125,43 @@ def test_tree_attention_mask_sees_prefix_and_ancestors():
                        [0, 1, 2, 3, 4, 6, 8]]
 
 
+def measured_policy() -> AutoPolicy:
+    """A policy whose step times are given: a step costs 1 + 0.25 per depth + 0.02 per node (plain: 1)."""
+    options = candidate_options(3, 3, True, True)
+    seconds = {"plain": 1.0}
+    for option in options[1:]:
+        seconds[option.describe()] = 1.0 + 0.25 * option.depth + 0.02 * option.num_nodes
+    return AutoPolicy(AutoMemory(step_seconds=seconds), options)
+
+
 def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
-    costs = Costs(trunk={1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.8, 32: 2.8, 64: 5.0},
-                  module={1: 0.1, 2: 0.1, 4: 0.12, 8: 0.15, 16: 0.2, 32: 0.3, 64: 0.5},
-                  head={1: 0.05, 2: 0.06, 4: 0.08, 8: 0.1, 16: 0.15})
-    policy = AutoPolicy(AutoMemory(costs), candidate_options(3, 3, True, True))
+    policy = measured_policy()
     option = policy.next()
     assert option is not None  # the prior expects acceptance: it drafts
-    for _ in range(30):  # every draft rejected
+    for _ in range(40):  # every draft rejected
         ranks = [[1] + [0] * 8 for _ in range(option.depth)] if option is not None else None
-        policy.update(option, costs.step(option, 1.0), 1.0, ranks)
+        policy.update(option, policy.seconds(option), 1.0, ranks)
         option = policy.next()
-    assert [policy.next() for _ in range(10)].count(None) >= 9
-    good = AutoPolicy(AutoMemory(costs), candidate_options(3, 3, True, True))
-    for _ in range(30):  # the best candidate always accepted: a deep draft pays
-        option = good.next()
+    choices = [policy.next() for _ in range(48)]
+    assert choices.count(None) >= 45  # plain, but for the periodic probe of the runner-up
+
+
+def test_auto_policy_drafts_deep_when_drafts_are_accepted():
+    policy = measured_policy()
+    for _ in range(40):  # the best candidate always accepted: a deep draft pays
+        option = policy.next()
         ranks = None if option is None else [[1, 1] + [0] * 7 for _ in range(option.depth)]
-        good.update(option, costs.step(option, 3.0), 1.0 + (option.depth if option else 0), ranks)
-    assert good.next() is not None and good.next().depth >= 3
+        policy.update(option, policy.seconds(option), 1.0 + (option.depth if option else 0), ranks)
+    best = policy.next()
+    assert best is not None and best.depth == 3 and best.is_chain  # a wider tree adds nodes nobody accepts
+
+
+def test_auto_policy_learns_measured_step_times():
+    policy = measured_policy()
+    slow = TreeShape.chain(3).describe()
+    for _ in range(30):
+        policy.update(TreeShape.chain(3), 50.0, 4.0, [[1, 1] + [0] * 7] * 3)
+    assert policy.memory.step_seconds[slow] > 40
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -42,7 +43,7 @@ from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import speculative_step, verify_forward
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
-from lightning_mtp.decoding.tree_policy import draft_plan
+from lightning_mtp.decoding.tree_policy import AutoSteps, calibrate_steps, draft_plan
 from lightning_mtp.decoding.tree_step import tree_step
 
 
@@ -314,6 +315,15 @@ def generate(
             "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
             "of parameter all-gathers, and deadlock; leave it unset"
         )
+    if isinstance(policy, AutoSteps) and policy.needs_calibration:
+        calibration = replace(config, max_new_tokens=1, temperature=0.0, eos_token_id=None, seed=None)
+
+        def run(calibration_prompts: Tensor, new_tokens: int) -> Any:
+            calibration.max_new_tokens = new_tokens
+            rows = torch.full((calibration_prompts.shape[0],), calibration_prompts.shape[1], device=device)
+            return decode(host, drafter, calibration_prompts, rows, calibration, policy=policy)
+
+        calibrate_steps(policy, run, host.vocab_size, prompts.shape[0], host.max_context, device)
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     new_tokens = out.new_tokens.clone()  # (B, N)

@@ -11,12 +11,12 @@ several processes (every rank must run the same forwards) and when a chain-only 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, calibrate, candidate_options, memory_for
+from lightning_mtp.decoding.auto import CALIBRATION_ROWS, AutoMemory, AutoPolicy, RoundRobin, candidate_options, memory_for
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import MTPDrafter
 from lightning_mtp.decoding.host import supports_trees
@@ -39,30 +39,44 @@ class FixedTree:
 
 
 class AutoSteps:
-    """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy (tree or chain drafter)."""
+    """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy (tree or chain drafter); with
+    ``calibration`` set, the round-robin calibration run instead (:func:`calibrate_steps`)."""
 
     def __init__(self, policy: AutoPolicy, max_depth: int, tree_mode: bool) -> None:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
+        self.calibration: Optional[RoundRobin] = None
 
-    def next(self) -> Any:
-        option = self.policy.next()
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.policy.memory.step_seconds
+
+    def _as_step(self, option: Optional[TreeShape]) -> Any:
         if self.tree_mode:
             return option
         return 0 if option is None else option.depth  # the chain drafter takes a draft count
 
+    def next(self) -> Any:
+        chooser = self.calibration if self.calibration is not None else self.policy
+        return self._as_step(chooser.next())
+
     def observe_step(self, option: Any, extra: list, active_rows: int, seconds: float) -> None:
+        if not self.tree_mode:
+            shape = None if option == 0 else TreeShape.chain(option)
+        else:
+            shape = option
+        if self.calibration is not None:
+            self.calibration.record(shape, seconds)
+            return
         if active_rows <= 0:
             return
         if not self.tree_mode:
-            shape = None if option == 0 else TreeShape.chain(option)
             accepted = extra[:option]
             ranks = []
             for d in range(1, option + 1):
                 reached = active_rows if d == 1 else accepted[d - 2]
                 ranks.append([reached, accepted[d - 1]])
         else:
-            shape = option
             accepted = extra[: self.max_depth]
             flat = extra[self.max_depth:]
             width = MAX_RANK + 1
@@ -70,6 +84,27 @@ class AutoSteps:
             ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
         tokens = 1.0 + sum(accepted) / active_rows
         self.policy.update(shape, seconds, tokens, ranks)
+
+
+def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: int, batch: int, context: int,
+                    device: torch.device) -> None:
+    """Time every option on this machine and model: decode a random prompt taking the options in turn (three
+    rounds, the first one discarded) and keep each option's median step time in the policy's memory.
+
+    ``run(prompts, max_new_tokens)`` decodes with ``steps`` as the policy (greedy, its own generator).
+    """
+    options = steps.policy.options
+    rounds = 3
+    prompt_len = max(1, min(32, context // 4))
+    new_tokens = max(1, min(2 * rounds * len(options), context - prompt_len))
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompts = torch.randint(0, vocab, (min(batch, CALIBRATION_ROWS), prompt_len), device=device, generator=generator)
+    steps.calibration = RoundRobin(options, rounds)
+    try:
+        run(prompts, new_tokens)
+        steps.policy.memory.step_seconds.update(steps.calibration.medians())
+    finally:
+        steps.calibration = None
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
@@ -110,13 +145,13 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     if not trees:
         options = [o for o in options if o is None or (o.is_chain and o.depth <= depth)]
     dtype = module.mtp_output_head().weight.dtype
-    key = (type(host).__name__, batch, str(device), str(dtype), config.sampling)
-    memory = memory_for(module, key, lambda: AutoMemory(calibrate(host, module, batch, device)))
+    key = (type(host).__name__, batch, str(device), str(dtype), tuple(o and o.describe() for o in options))
+    memory = memory_for(module, key, AutoMemory)
     if config.sampling:
         # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
         # sampling decides from the calibration and this call's own acceptance only, never from timings taken
         # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
-        memory = AutoMemory(memory.costs)
+        memory = AutoMemory(step_seconds=memory.step_seconds)  # the same dict: calibration fills it for both
     policy = AutoPolicy(memory, options, learn_costs=not config.sampling)
     max_depth = max(o.depth for o in options if o is not None)
     if trees:
