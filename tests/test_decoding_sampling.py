@@ -254,18 +254,24 @@ def test_mtp_drafter_sampling_is_lossless():
     out = model.generate(prompt.expand(rows, -1), 3, temperature=1.0, top_k=8, speculative=True,
                          generator=torch.Generator().manual_seed(0))
     assert out.stats.accepted_per_depth[0] > 0.2 * rows
+    check_first_three_tokens(model, prompt, out.new_tokens, "MTP")
+
+
+def check_first_three_tokens(model, prompt: torch.Tensor, new_tokens: torch.Tensor, what: str) -> None:
+    """The emitted tokens 1-3 (rows of ``new_tokens``) against the exact marginals of sampling ``model`` at
+    temperature 1 and top-k 8 after ``prompt`` (1, P), enumerated over the 16-token vocabulary."""
     with torch.no_grad():
         first = logits_to_probs(model.logits(model(prompt))[0, -1], 1.0, 8).double()  # (V,)
         pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # (V², 2)
         seqs = torch.cat([prompt.expand(VOCAB * VOCAB, -1), pairs], dim=1)
-        logits = model.logits(model(seqs))  # (V², 7, V)
+        logits = model.logits(model(seqs))  # (V², P + 2, V)
         second = logits_to_probs(logits[:, -2], 1.0, 8).double().view(VOCAB, VOCAB, VOCAB)[:, 0]  # (x1, x2)
         third = logits_to_probs(logits[:, -1], 1.0, 8).double().view(VOCAB, VOCAB, VOCAB)  # (x1, x2, x3)
     marginal2 = first @ second
     marginal3 = torch.einsum("a,ab,abc->c", first, second, third)
-    check_counts(torch.bincount(out.new_tokens[:, 0], minlength=VOCAB), first, "MTP token 1")
-    check_counts(torch.bincount(out.new_tokens[:, 1], minlength=VOCAB), marginal2, "MTP token 2")
-    check_counts(torch.bincount(out.new_tokens[:, 2], minlength=VOCAB), marginal3, "MTP token 3")
+    check_counts(torch.bincount(new_tokens[:, 0], minlength=VOCAB), first, f"{what} token 1")
+    check_counts(torch.bincount(new_tokens[:, 1], minlength=VOCAB), marginal2, f"{what} token 2")
+    check_counts(torch.bincount(new_tokens[:, 2], minlength=VOCAB), marginal3, f"{what} token 3")
 
 
 # ----------------------------------------------------------------------------------------------- typical acceptance

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decoding import alone, draftable_model, ragged_prompts, rows_of
+from test_decoding_sampling import check_first_three_tokens
 
 from lightning_mtp.decoding import GenerationConfig
 from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, candidate_options
-from lightning_mtp.decoding.sampling import logits_to_probs
 from lightning_mtp.decoding.tree import TreeShape, static_layout, tree_attention_mask
 from lightning_mtp.kernels.tree_verify_torch import ancestors
-from test_decoding import VOCAB, alone, draftable_model, ragged_prompts, rows_of
-from test_decoding_sampling import check_counts
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +101,7 @@ def test_tree_sampling_is_lossless(tree):
                          generator=torch.Generator().manual_seed(0), **options)
     if options["speculative"] is True:
         assert out.stats.accepted_per_depth[0] > 0.2 * rows
-    with torch.no_grad():
-        first = logits_to_probs(model.logits(model(prompt))[0, -1], 1.0, 8).double()  # (V,)
-        pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # (V², 2)
-        seqs = torch.cat([prompt.expand(VOCAB * VOCAB, -1), pairs], dim=1)
-        logits = model.logits(model(seqs))  # (V², 7, V)
-        second = logits_to_probs(logits[:, -2], 1.0, 8).double().view(VOCAB, VOCAB, VOCAB)[:, 0]
-        third = logits_to_probs(logits[:, -1], 1.0, 8).double().view(VOCAB, VOCAB, VOCAB)
-    marginal2 = first @ second
-    marginal3 = torch.einsum("a,ab,abc->c", first, second, third)
-    check_counts(torch.bincount(out.new_tokens[:, 0], minlength=VOCAB), first, "tree token 1")
-    check_counts(torch.bincount(out.new_tokens[:, 1], minlength=VOCAB), marginal2, "tree token 2")
-    check_counts(torch.bincount(out.new_tokens[:, 2], minlength=VOCAB), marginal3, "tree token 3")
+    check_first_three_tokens(model, prompt, out.new_tokens, "tree")
 
 
 def test_tree_attention_mask_sees_prefix_and_ancestors():

@@ -45,6 +45,20 @@ class Drafts(NamedTuple):
     drafts, so that verification samples from ``p`` there."""
 
 
+def drafter_buffers(module: nn.Module, blocks: list[nn.Module], cascaded: bool, batch_size: int,
+                    max_len: int) -> tuple[list[KVCache], Tensor, Tensor]:
+    """A drafter's buffers: one positional KV cache per drafted depth (``blocks``: the MTP module of each depth),
+    the hidden states by position (S, B, L, H) (S = depths for cascaded modules, 1 for parallel heads: h_0 only) and
+    the row indices (B, 1)."""
+    weight = module.mtp_output_head().weight
+    device, dtype = weight.device, weight.dtype
+    caches = [KVCache(batch_size, max_len, block.block.attn.n_kv_heads, block.block.attn.head_dim, device=device,
+                      dtype=dtype) for block in blocks]
+    slots = len(blocks) if cascaded else 1
+    hidden = torch.zeros(slots, batch_size, max_len, weight.shape[1], device=device, dtype=dtype)
+    return caches, hidden, torch.arange(batch_size, device=device).unsqueeze(1)
+
+
 class Drafter(Protocol):
     """What the speculative loop needs from a drafter (MTP modules here; tests use stubs)."""
 
@@ -109,15 +123,7 @@ class MTPDrafter:
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
 
     def allocate(self, batch_size: int, max_len: int) -> MTPDraftState:
-        weight = self.module.mtp_output_head().weight
-        device, dtype = weight.device, weight.dtype
-        caches = []
-        for mtp_module in self.modules:
-            attn = mtp_module.block.attn
-            caches.append(KVCache(batch_size, max_len, attn.n_kv_heads, attn.head_dim, device=device, dtype=dtype))
-        slots = self.max_drafts if self.cascaded else 1
-        hidden = torch.zeros(slots, batch_size, max_len, weight.shape[1], device=device, dtype=dtype)
-        rows = torch.arange(batch_size, device=device).unsqueeze(1)
+        caches, hidden, rows = drafter_buffers(self.module, list(self.modules), self.cascaded, batch_size, max_len)
         return MTPDraftState(caches, hidden, [0] * self.max_drafts, rows)
 
     def observe(self, state: MTPDraftState, hidden: Tensor, positions: Tensor) -> None:

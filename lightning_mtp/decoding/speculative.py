@@ -35,7 +35,7 @@ from torch import Tensor
 
 from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.decoding.drafting import Drafter, DraftLength, MTPDrafter
+from lightning_mtp.decoding.drafting import Drafter, DraftLength
 from lightning_mtp.decoding.host import DecodingHost, decoding_host, module_device_dtype
 from lightning_mtp.decoding.lockstep import all_ranks, gathered_output_head, needs_rank_sync
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens

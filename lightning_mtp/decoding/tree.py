@@ -93,7 +93,7 @@ class TreeShape:
         return "chain" + str(self.depth) if self.is_chain else "tree" + str(list(self.branching))
 
     @staticmethod
-    def chain(length: int) -> "TreeShape":
+    def chain(length: int) -> TreeShape:
         return TreeShape(branching=(1,) * length)
 
 

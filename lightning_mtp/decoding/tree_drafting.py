@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_mtp.decoding.drafting import drafter_buffers
 from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
 from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, static_layout, tree_attention_mask
 from lightning_mtp.layers import KVCache
@@ -101,15 +102,8 @@ class MTPTreeDrafter:
         return min(depth, self.num_modules) - 1
 
     def allocate(self, batch_size: int, max_len: int) -> TreeDraftState:
-        weight = self.module.mtp_output_head().weight
-        device, dtype = weight.device, weight.dtype
-        caches = []
-        for depth in range(1, self.max_drafts + 1):
-            attn = self.modules[self._module_index(depth)].block.attn
-            caches.append(KVCache(batch_size, max_len, attn.n_kv_heads, attn.head_dim, device=device, dtype=dtype))
-        slots = self.max_drafts if self.cascaded else 1
-        hidden = torch.zeros(slots, batch_size, max_len, weight.shape[1], device=device, dtype=dtype)
-        rows = torch.arange(batch_size, device=device).unsqueeze(1)
+        blocks = [self.modules[self._module_index(depth)] for depth in range(1, self.max_drafts + 1)]
+        caches, hidden, rows = drafter_buffers(self.module, blocks, self.cascaded, batch_size, max_len)
         return TreeDraftState(caches, hidden, [0] * self.max_drafts, rows)
 
     def observe(self, state: TreeDraftState, hidden: Tensor, positions: Tensor) -> None:

@@ -16,7 +16,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mtp.decoding.auto import CALIBRATION_ROWS, AutoMemory, AutoPolicy, RoundRobin, candidate_options, memory_for
+from lightning_mtp.decoding.auto import (
+    CALIBRATION_ROWS,
+    AutoMemory,
+    AutoPolicy,
+    RoundRobin,
+    candidate_options,
+    memory_for,
+)
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import MTPDrafter
 from lightning_mtp.decoding.host import supports_trees

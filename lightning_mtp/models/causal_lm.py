@@ -134,7 +134,8 @@ class CausalLM(MTPMixin, L.LightningModule):
             if cfg.tie_embeddings:
                 # One weight for input and output embeddings (Press & Wolf 2017, https://arxiv.org/abs/1608.05859).
                 self.lm_head.weight = self.embed.weight
-            self.rope = RotaryTable(cfg.max_seq_len + max(self.mtp_config.depth, MAX_DRAFT_DEPTH) + 1, cfg.dim // cfg.n_heads, cfg.rope_base)
+            positions = cfg.max_seq_len + max(self.mtp_config.depth, MAX_DRAFT_DEPTH) + 1  # + verify/draft depth
+            self.rope = RotaryTable(positions, cfg.dim // cfg.n_heads, cfg.rope_base)
             self._init_weights([self.embed, self.layers, self.norm, self.lm_head])
         built_mtp = self.mtp_modules is None
         super().configure_model()
