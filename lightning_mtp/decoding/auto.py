@@ -126,7 +126,7 @@ class AutoPolicy:
                 1 - decay) * tokens_per_row
             return
         for depth, counts in enumerate(accepted_ranks or [], start=1):
-            reached, per_rank = counts[0], counts[1:]
+            reached, per_rank = counts[0], counts[1 : 1 + option.branching[depth - 1]]  # the ranks drafted
             if reached == 0:
                 continue
             for rank, hits in enumerate(per_rank):
