@@ -7,9 +7,9 @@ machine hits all of them alike:
 
 - ``none``: no callbacks (the validation loss alone);
 - ``shared``: every callback of ``configs/mtp.yaml``; the monitor and the calibration read the forward that
-  ``validation_step`` computed for the loss (``MTPMixin.mtp_validation_forward``);
-- ``rerun``: the same callbacks, each re-running the trunk, every depth and the heads on each batch, as before the
-  forward was shared (``share_forward = False`` on the monitor and the calibration).
+  ``validation_step`` computed for the loss (``MTPMixin.mtp_validation_forward``) and its cross-entropy's argmaxes;
+- ``rerun``: the same callbacks, each re-running the trunk, every depth and the argmax pass on each batch, as
+  before the forward was shared (``share_forward = False`` on the monitor and the calibration).
 
 Run on the code from before the change (``--label before-...``, with that code first on ``PYTHONPATH``), the
 ``shared`` and ``rerun`` variants are both the old behaviour.
@@ -20,8 +20,9 @@ trunk forwards per batch. On a shared machine the CPU-time ratio is the steadier
 Batches are 4 × 256 tokens (the configuration's are 16 × 256) so that a run takes minutes on two CPU cores; the
 calibration's ``max_batches: 10`` of the configuration's 20 validation batches is kept. ``--tokenizer byte`` (default)
 is quick to set up; ``--tokenizer bpe --vocab-size 4096`` has the configuration's vocabulary, and with it the
-callbacks' own work over the vocabulary weighs more: the shared pass of logits and the argmaxes on every position,
-the softmaxes (JS, ECE) and the calibration's temperature grid on each callback's ``max_positions`` per batch.
+callbacks' own work over the vocabulary weighs more. The argmaxes of every position come from the validation loss's
+cross-entropy; the callbacks compute logits only on their ``max_positions`` per batch, for the softmaxes (JS, ECE)
+and the calibration's temperature grid.
 
 Usage::
 

@@ -6,9 +6,10 @@ positions; positions whose target falls past the end are never computed, and tar
 contributes 0, never NaN (Megatron-LM #1532 and #2417 came from getting this normalisation wrong).
 
 All depths that share a head are scored by one chunked cross-entropy call with per-row weights w_k / n_k: one fp32
-weight-gradient buffer serves every depth, and no logits are kept for backward. With ``MTPConfig.recompute`` each
-depth keeps only its inputs and its block's mid residual, and its backward reruns it once, piece by piece
-(:func:`run_depth`).
+weight-gradient buffer serves every depth, and no logits are kept for backward. Each depth's rows are a part of
+their own in that call (chunked by their own count, with their own gradient tensor), not a concatenated copy.
+With ``MTPConfig.recompute`` each depth keeps only its inputs and its block's mid residual, and its backward reruns
+it once, piece by piece (:func:`run_depth`).
 Under DeepSpeed ZeRO-3 (a partitioned head weight) the same loss goes through the head module instead
 (:func:`lightning_mtp.zero.head_cross_entropy`).
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp.heads import recomputed_depth
-from lightning_mtp.kernels import linear_cross_entropy
+from lightning_mtp.kernels import linear_cross_entropy_torch, linear_cross_entropy_triton, resolve_backend
 from lightning_mtp.kernels.linear_cross_entropy_torch import check_logit_transform, scale_and_cap
 from lightning_mtp.zero import head_cross_entropy, is_partitioned
 
@@ -96,13 +97,18 @@ class DepthLossSpec:
 
 
 def score_jointly(
-    specs: Sequence[DepthLossSpec], normed: list[Tensor], transform: Optional[LogitTransform] = None
+    specs: Sequence[DepthLossSpec],
+    normed: list[Tensor],
+    transform: Optional[LogitTransform] = None,
+    private: bool = False,
 ) -> list[DepthLossPart]:
     """Score several depths with one chunked cross-entropy call per distinct head weight.
 
-    ``normed`` holds each depth's (B, L, H) normed hidden states. The list is consumed (emptied) so that, once the
-    rows are concatenated, the per-depth tensors can be freed before the cross-entropy allocates its gradients.
-    ``transform`` is the host's logit transform (default: none), applied to every head's outputs.
+    ``normed`` holds each depth's (B, L, H) normed hidden states; the list is consumed (emptied), so that the call
+    holds the only references the caller gave up. Each depth's rows go in as a part of their own (no concatenated
+    copy), chunked by their own row count, and get a gradient of their own, which autograd frees once that depth's
+    backward has run. ``private``: nothing else reads these states afterwards, so each receives its gradient in
+    place (no (N, H) gradient buffer). ``transform`` is the host's logit transform (default: none).
     """
     transform = transform or LogitTransform()
     scaling = dict(logit_scale=transform.scale, softcap=transform.softcap)
@@ -110,25 +116,31 @@ def score_jointly(
     groups: dict[int, list[int]] = {}
     for i, spec in enumerate(specs):
         groups.setdefault(id(spec.head_weight), []).append(i)
+    overwritable = [private and _overwritable(h) for h in normed]
     rows = [h.reshape(-1, h.shape[-1]) for h in normed]  # (B*L, H) each
     normed.clear()
     for members in groups.values():
         sizes = [rows[i].shape[0] for i in members]
-        hidden = torch.cat([rows[i] for i in members]) if len(members) > 1 else rows[members[0]]
+        hidden = [rows[i] for i in members]
         for i in members:
-            rows[i] = None  # the concatenation is the only copy now
-        flat = [specs[i].row_weights(hidden.device) for i in members]
+            rows[i] = None  # the call's list is the only reference now
+        flat = [specs[i].row_weights(hidden[0].device) for i in members]
         first = specs[members[0]]
         targets, row_weights = torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat])
         if is_partitioned(first.head_weight):
             # DeepSpeed ZeRO-3: the weight is an empty partition here; the module call gathers it.
             if first.head is None:
                 raise ValueError("DepthLossSpec.head is required when head_weight is a DeepSpeed ZeRO-3 partition")
-            out = head_cross_entropy(hidden, first.head, targets, row_weights, first.ignore_index, first.chunk_size,
+            joined = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+            hidden.clear()
+            out = head_cross_entropy(joined, first.head, targets, row_weights, first.ignore_index, first.chunk_size,
                                      **scaling)
+            del joined
         else:
-            out = linear_cross_entropy(hidden, first.head_weight, targets, row_weights, first.ignore_index,
-                                       first.chunk_size, overwrite_hidden=len(members) > 1, **scaling)
+            backend = resolve_backend("auto", *hidden, first.head_weight, targets)
+            cross_entropy = linear_cross_entropy_triton if backend == "triton" else linear_cross_entropy_torch
+            out = cross_entropy(hidden, first.head_weight, targets, row_weights, first.ignore_index,
+                                first.chunk_size, overwrite_hidden=[overwritable[i] for i in members], **scaling)
         del hidden
         # The joint loss is attributed to the group's first member; the others carry zero (the sum is what counts).
         losses = [out.loss] + [out.loss.new_zeros(())] * (len(members) - 1)
@@ -137,6 +149,17 @@ def score_jointly(
         ):
             parts[i] = DepthLossPart(loss, row_loss, row_argmax, targets, count, specs[i].weight)
     return parts
+
+
+def _overwritable(states: Tensor) -> bool:
+    """Whether private states may receive their gradient in place: they own their storage (not a view: an identity
+    final norm hands back a slice of the trunk's state) and the op that made them did not save them for its backward
+    (e.g. ``tanh``; autograd would then refuse the changed tensor)."""
+    if states._is_view():
+        return False
+    producer = states.grad_fn
+    saved = [getattr(producer, name, None) for name in dir(producer) if name.startswith("_saved_")] if producer else []
+    return not any(isinstance(t, Tensor) and t.data_ptr() == states.data_ptr() for t in saved)
 
 
 @dataclass

@@ -27,6 +27,9 @@ class MTPForward:
     trunk_hidden: Tensor  # (B, T, H) h_0, before the final norm
     depth_hidden: list[Tensor]  # per active depth k: (B, T-k-1, H) after the depth's output norm
     main_hidden: Optional[Tensor] = None  # (B, T-1, H) final-normed trunk states, when the main loss is computed
+    argmax: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    """Depth k (0: the main head) -> (B, T-k-1) argmax of every position's logits, where a loss pass computed it
+    (the validation loss keeps its fused cross-entropy's; the teacher-forced callbacks read and complete it)."""
 
 
 @dataclass

@@ -284,3 +284,33 @@ def test_max_positions_probes_js_and_confidence_on_a_strided_subsample(make_tiny
     assert float(monitor.means["val/mtp/js_depth1"].compute()) == pytest.approx(float(every.js[0][js_mask].mean()))
     name = "val/mtp/accept_depth2"
     assert float(monitor.means[name].compute()) == float(full.means[name].compute())
+
+
+def test_argmaxes_are_the_validation_loss_ones_and_those_of_the_full_logits(make_tiny_model):
+    """The acceptance statistics read the argmax the validation loss's cross-entropy computed for the main head and
+    the active depths, complete it for the inactive depths, and agree with the argmax of every materialised logit;
+    a forward computed outside the step (the re-run path) gives the same bits. Probed logits are the full logits at
+    the probed positions."""
+    from lightning_mtp.callbacks._teacher_forcing import probed_logits, teacher_forced_argmax, teacher_forced_forward
+
+    model = make_tiny_model(depth=3)
+    model.mtp_active_depth = 1
+    ids = torch.randint(0, model.mtp_vocab_size(), (3, 12), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[1, 6] = -100  # an ignored target still gets its position's argmax
+    with torch.no_grad():
+        _, fwd = model._lm_loss_keeping_every_depth(ids, labels)
+    assert sorted(fwd.argmax) == [0, 1]  # the loss scored the main head and depth 1
+    argmax = teacher_forced_argmax(model, fwd)
+    assert sorted(fwd.argmax) == [0, 1, 2, 3]  # completed and cached for the other readers
+    model.mtp_active_depth = 3
+    logits = all_logits(model, ids)
+    for got, full in zip(argmax, logits):
+        assert torch.equal(got, full.argmax(-1))
+    fresh = teacher_forced_forward(model, ids, labels)
+    assert all(torch.equal(a, b) for a, b in zip(teacher_forced_argmax(model, fresh), argmax))
+    columns = slice(1, None, 3)
+    for k, full in enumerate(logits):
+        torch.testing.assert_close(probed_logits(model, fwd, k, slice(1, 3), columns), full[1:3, columns])
+    shifted = probed_logits(model, fwd, 0, slice(0, 3), columns, offset=2)  # main head at i + 2
+    torch.testing.assert_close(shifted, logits[0][:, 2:][:, columns])

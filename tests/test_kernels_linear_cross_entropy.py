@@ -476,3 +476,93 @@ def test_gpu_auto_dispatch_uses_kernel(monkeypatch):
     hidden, weight, targets, _ = make_inputs(64, 32, 1000, device="cuda")
     linear_cross_entropy(hidden, weight, targets)
     assert called == [1]
+
+
+# ---- a list of parts (one per depth): no concatenated copy, a gradient per part, one weight-gradient buffer ----
+
+PART_ROWS = (13, 1, 20)  # odd sizes, one of a single row
+
+
+def naive_parts_reference(parts, weight, targets, row_weights):
+    """Materialised logits of the concatenated rows, ``F.cross_entropy``; loss, per-row CE, argmax, and the gradients
+    of 2 * loss w.r.t. every part and the weight."""
+    leaves = [p.clone().requires_grad_() for p in parts]
+    w = weight.clone().requires_grad_()
+    logits = torch.cat(leaves).float() @ w.float().T  # (N, V)
+    rows = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
+    valid = targets != -100
+    weights = row_weights if row_weights is not None else valid.float() / valid.sum().clamp(min=1)
+    loss = (rows * weights * valid).sum()
+    grads = torch.autograd.grad(2.0 * loss, [*leaves, w])
+    return loss.detach(), rows.detach(), logits.argmax(-1), grads[:-1], grads[-1]
+
+
+def assert_parts_match_naive_reference(fn, overwrite_hidden, chunk_size):
+    hidden, weight, targets, row_weights = make_inputs(sum(PART_ROWS), 24, 257, ignored=(0, 14, 20), weighted=True,
+                                                       seed=11)
+    leaves = [p.clone().requires_grad_() for p in hidden.split(PART_ROWS)]
+    w = weight.clone().requires_grad_()
+    parts = [leaf * 1.0 for leaf in leaves]  # non-leaf parts, as a depth's normed states are
+    out = fn(parts, w, targets, row_weights, -100, chunk_size, overwrite_hidden=overwrite_hidden)
+    (2.0 * out.loss).backward()
+    loss, rows, argmax, part_grads, weight_grad = naive_parts_reference(hidden.split(PART_ROWS), weight, targets,
+                                                                         row_weights)
+    torch.testing.assert_close(out.loss, loss, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.row_loss, rows, atol=ATOL, rtol=RTOL)
+    assert torch.equal(out.row_argmax, argmax)
+    for leaf, grad in zip(leaves, part_grads):
+        torch.testing.assert_close(leaf.grad, grad, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(w.grad, weight_grad, atol=ATOL, rtol=RTOL)
+    # With overwrite_hidden each part received its own gradient in place (no (N, H) buffer); otherwise it is intact.
+    for part, leaf, grad in zip(parts, leaves, part_grads):
+        if overwrite_hidden:
+            torch.testing.assert_close(part, grad, atol=ATOL, rtol=RTOL)
+        else:
+            assert torch.equal(part, leaf.detach())
+
+
+@pytest.mark.parametrize("overwrite_hidden", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_twin_scores_parts_like_the_naive_reference(overwrite_hidden, chunk_size):
+    assert_parts_match_naive_reference(linear_cross_entropy_torch, overwrite_hidden, chunk_size)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("overwrite_hidden", [False, True])
+def test_kernel_scores_parts_like_the_naive_reference(overwrite_hidden):
+    assert_parts_match_naive_reference(linear_cross_entropy_triton, overwrite_hidden, 4)
+
+
+def test_each_part_is_chunked_by_its_own_rows(monkeypatch):
+    """The default chunk size comes from each part's row count, not from all rows together (which would make every
+    depth's chunk of logits as large as the rows of all depths ask for)."""
+    chunks = []
+    chunked_pass = twin_module.chunked_pass
+    monkeypatch.setattr(twin_module, "chunked_pass",
+                        lambda *a: chunks.append((a[0].shape[0], a[5])) or chunked_pass(*a))
+    hidden, weight, targets, _ = make_inputs(3 * 600, 64, 128, seed=2)
+    linear_cross_entropy_torch(list(hidden.split(600)), weight, targets)
+    part_chunk = twin_module.default_chunk_size(600, 64, 128)
+    assert part_chunk < twin_module.default_chunk_size(1800, 64, 128)  # the shapes tell the two rules apart
+    assert chunks == [(600, part_chunk)] * 3
+
+
+def test_one_chunk_of_logits_is_alive_at_a_time():
+    """A chunk's d(logits) is released before the next chunk's logits are computed: the peak holds one (c, V) fp32
+    buffer and the weight gradient, not two chunks."""
+    n, h, v, chunk = 64, 8, 8192, 16
+    hidden, weight, targets, _ = make_inputs(n, h, v, seed=3)
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    _, peak = peak_call(linear_cross_entropy_torch, hidden, weight, targets, chunk)
+    chunk_bytes, weight_grad_bytes = chunk * v * 4, v * h * 4
+    assert weight_grad_bytes + chunk_bytes <= peak < weight_grad_bytes + 1.5 * chunk_bytes
+
+
+def test_parts_are_checked():
+    hidden, weight, targets, _ = make_inputs(6, 8, 16)
+    with pytest.raises(ValueError, match="non-empty list"):
+        linear_cross_entropy_torch([], weight, targets)
+    with pytest.raises(ValueError, match="non-empty list"):
+        linear_cross_entropy_torch([hidden[:3], hidden[3:, :4]], weight, targets)
+    with pytest.raises(ValueError, match="do not match hidden rows 5"):
+        linear_cross_entropy_torch([hidden[:3], hidden[3:5]], weight, targets)

@@ -283,3 +283,38 @@ def test_recompute_runs_under_torch_flop_counter(make_tiny_model, architecture):
             model.compute_lm_loss(torch.randint(0, 61, (2, 40))).loss.backward()
         flops.append(counter.get_total_flops())
     assert flops[1] > flops[0]
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_private_states_receive_their_gradients_in_place_and_change_no_number(views):
+    """``score_jointly(private=True)`` writes each depth's gradient into its own normed states (no gradient buffer,
+    no concatenated copy), with the loss, the predictions and every gradient of ``private=False``. A view (an identity
+    final norm hands back a slice of the trunk's state) or a tensor its producer saved for backward is never
+    overwritten."""
+    from lightning_mtp.loss import DepthLossSpec, score_jointly
+
+    torch.manual_seed(0)
+    weight = torch.randn(31, 8, requires_grad=True)
+    trunk = torch.randn(2, 9, 8, requires_grad=True)
+    labels = torch.randint(0, 31, (2, 9))
+    results = {}
+    for private in (False, True):
+        states = [trunk[:, :-1] * 1.0, trunk[:, :-2] * 2.0, trunk[:, :-3].tanh()]  # (B, T-k-1, H)
+        if views:
+            states[0] = trunk[:, :-1]  # the main head's states are the trunk's own
+        kept = [s.detach().clone() for s in states]
+        specs = [DepthLossSpec(weight, labels[:, k + 1 : k + 1 + s.shape[1]], 1.0 / (k + 1), chunk_size=5)
+                 for k, s in enumerate(states)]
+        parts = score_jointly(specs, list(states), private=private)
+        loss = sum(p.loss for p in parts)
+        grads = torch.autograd.grad(loss, [trunk, weight])
+        overwritten = [not torch.equal(s, k) for s, k in zip(states, kept)]
+        results[private] = loss.detach(), [p.row_argmax for p in parts], grads, overwritten
+    loss, argmax, grads, overwritten = results[True]
+    ref_loss, ref_argmax, ref_grads, ref_overwritten = results[False]
+    assert not any(ref_overwritten)
+    assert overwritten == [not views, True, False]  # tanh saves its output for backward: never overwritten
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(argmax, ref_argmax))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

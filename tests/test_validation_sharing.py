@@ -1,6 +1,7 @@
 """One forward per validation batch: ``validation_step`` computes the trunk and every depth once, scores the loss of
 the active depths from them exactly as ``compute_lm_loss``, and the coupling monitor and the draft calibration read
-them (and one pass of logits) instead of re-running the model. Their metrics equal those of the re-run path."""
+them (the argmaxes of the loss's cross-entropy, and logits on their probed positions only) instead of re-running the
+model. Their metrics equal those of the re-run path."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_mtp.callbacks import MTPCouplingMonitor, MTPDraftCalibration
+from lightning_mtp.callbacks._teacher_forcing import probed_columns
 from lightning_mtp.models import CausalLM
 
 VOCAB, BATCHES, BATCH_SIZE, LENGTH = 61, 3, 4, 16
@@ -92,17 +94,40 @@ def test_callback_metrics_equal_those_of_the_rerun_path(
         assert torch.equal(logged[True][name], value), name  # to the bit
 
 
-def test_trunk_and_heads_run_once_per_validation_batch(make_tiny_model):
-    calls = {}
+class RowCounter:
+    """Counts the rows (positions) a head module is called on."""
+
+    def __init__(self, module):
+        self.rows, forward = 0, module.forward
+
+        def counted(hidden):
+            self.rows += hidden.numel() // hidden.shape[-1]
+            return forward(hidden)
+
+        module.forward = counted
+
+
+def test_trunk_runs_once_and_heads_only_on_probed_positions(make_tiny_model):
+    """One trunk pass per batch; the argmaxes come from the loss's cross-entropy (which reads the head's weight, never
+    calls the head), and the callbacks call the heads on their subsampled positions only, shared or not."""
+    calls, rows = {}, {}
+    monitor_positions, calibration_positions = 8, 32
     for share in (True, False):
         model = make_tiny_model(depth=3)
         trunk = Counter(model, "mtp_trunk_hidden_states")
-        heads = Counter(model.lm_head, "forward")  # the loss reads the head's weight; only the callbacks call it
-        validate(model, both_callbacks(share, max_batches=BATCHES), loader())
-        calls[share] = trunk.calls, heads.calls
-    chunks = 1  # the default chunking holds the whole tiny batch
-    assert calls[True] == (BATCHES, BATCHES * 4 * chunks)  # main head and 3 depths, read by both callbacks
-    assert calls[False] == (3 * BATCHES, 2 * BATCHES * 4 * chunks)
+        heads = RowCounter(model.lm_head)
+        callbacks = both_callbacks(share, max_batches=BATCHES, monitor_positions=monitor_positions)
+        validate(model, callbacks, loader())
+        calls[share], rows[share] = trunk.calls, heads.rows
+    assert calls == {True: BATCHES, False: 3 * BATCHES}
+    # Per batch and depth k: the monitor probes depth k at its columns; the calibration probes depth k and the main
+    # head (at i + k) at its own columns. Both rotate their columns from batch to batch.
+    expected = sum(BATCH_SIZE * len(range(LENGTH - k - 1)[probed_columns(BATCH_SIZE, LENGTH - 2, n, index)]) * copies
+                   for index in range(BATCHES) for k in (1, 2, 3)
+                   for n, copies in ((monitor_positions, 1), (calibration_positions, 2)))
+    assert rows == {True: expected, False: expected}
+    every_position = sum(BATCH_SIZE * (LENGTH - k - 1) for k in range(4))  # one pass of full logits: 4 heads
+    assert expected < BATCHES * every_position
 
 
 def test_validation_loss_is_compute_lm_loss_to_the_bit(make_tiny_model):

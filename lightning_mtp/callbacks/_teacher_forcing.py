@@ -5,13 +5,17 @@ computed on the real tokens (teacher forcing), under ``no_grad``, for every conf
 all of them, whatever the active depth of training is).
 
 On a validation batch, the callbacks built on :class:`TeacherForcedCallback` read the forward that ``validation_step``
-computed for the loss (``MTPMixin.mtp_validation_forward``), and one pass over the heads' logits feeds all of them:
-the trunk, every depth and every head run once per batch, however many of these callbacks there are.
+computed for the loss (``MTPMixin.mtp_validation_forward``): the trunk and every depth run once per batch, however
+many of these callbacks there are. The argmax of every position and depth, which the acceptance statistics need
+everywhere, is the one the loss's fused cross-entropy computed anyway (:func:`teacher_forced_argmax`; depths the loss
+does not score yet get the same cross-entropy's forward alone). Statistics that need whole distributions (softmaxes,
+the calibration's temperature grid) read a fixed-size subsample of positions per batch (``max_positions``), and each
+callback calls the heads on those rows only (:func:`probed_logits`): no full-vocabulary logits over whole sequences.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import lightning as L
 import torch
@@ -20,86 +24,72 @@ from typing_extensions import override
 
 from lightning_mtp.callbacks._base import MTPCallback
 from lightning_mtp.head_calls import chunk_rows, depth_head, head_logits, row_chunks
+from lightning_mtp.loss import DepthLossSpec, depth_targets, score_jointly
 from lightning_mtp.mixin import MTPForward, MTPMixin, unpack_batch
-
-_WAITING = "teacher_forced_readers"  # ValidationForward.derived: readers that asked for the batch, not yet fed
-_FED = "teacher_forced_fed"  # ... and those already fed
 
 
 class TeacherForcedCallback(MTPCallback):
     """Base of the callbacks that evaluate every depth on teacher-forced validation batches.
 
-    A subclass reads a batch in three steps, :meth:`begin_batch`, :meth:`read_logits` for each chunk of sequences and
-    :meth:`end_batch`, and calls :meth:`read_validation_batch` from ``on_validation_batch_end``. Before a batch it
-    wants (:meth:`wants_batch`), it asks the module to keep that batch's forward; the first of these callbacks to
-    reach ``on_validation_batch_end`` then feeds every one that asked, and chunks its logits the same way, in one pass
-    over the heads' logits. The logits handed to :meth:`read_logits` are shared: read them, never modify them.
+    A subclass implements :meth:`read_forward` and calls :meth:`read_validation_batch` from
+    ``on_validation_batch_end``. Before a batch it wants (:meth:`wants_batch`), it asks the module to keep that batch's
+    forward (every depth's states), which ``validation_step`` then fills; the argmaxes of every position
+    (:func:`teacher_forced_argmax`) are cached on that forward, so every reader shares them too.
     """
 
     share_forward: bool = True
-    """``False`` (on an instance): re-run the trunk, every depth and the heads for this callback alone, as before
-    the forward was shared; for the tests and the benchmark that compare both. The re-run happens in the hook, outside
-    the step's autocast: with mixed precision its metrics differ from the shared ones at bf16/fp16 rounding."""
+    """``False`` (on an instance): re-run the trunk, every depth and the argmax pass for this callback alone, as
+    before the forward was shared; for the tests and the benchmark that compare both. The re-run happens in the hook,
+    outside the step's autocast: with mixed precision its metrics differ from the shared ones at bf16/fp16 rounding."""
     chunk_size: Optional[int] = None
-    """Rows of logits per depth alive at once (``None``: the MTP loss's chunk size)."""
+    """Rows of probed logits per depth alive at once (``None``: the MTP loss's chunk size)."""
 
     def wants_batch(self, trainer: L.Trainer) -> bool:
         """Whether the next validation batch will be read (never during the sanity check)."""
         return not trainer.sanity_checking
 
-    def begin_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
-        """Before the batch's first chunk of logits."""
-
-    def read_logits(
-        self, pl_module: MTPMixin, fwd: MTPForward, part: slice, main: Tensor, depths: list[Tensor]
-    ) -> None:
-        """One chunk of sequences ``part``: main logits (b, T-1, V) and depth k's (b, T-k-1, V), fp32."""
+    def read_forward(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
+        """Read one teacher-forced batch (every configured depth's states in ``fwd``)."""
         raise NotImplementedError
-
-    def end_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
-        """After the batch's last chunk of logits."""
 
     @override
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self.share_forward and self.wants_batch(trainer):
-            # validation_step keeps every depth of this batch; the first reader feeds the others
-            pl_module.mtp_validation_forward(batch).derived.setdefault(_WAITING, []).append(self)
+            pl_module.mtp_validation_forward(batch)  # validation_step keeps every depth of this batch
 
     def read_validation_batch(self, pl_module: MTPMixin, batch: Any) -> None:
-        """Feed this batch to this callback (begin, every chunk, end), unless another reader already did; readers
-        waiting for the same batch with the same chunking are fed by the same pass."""
+        """Read this batch from the forward ``validation_step`` kept (computed here once, for every reader, when the
+        host has its own ``validation_step``), or from a re-run of its own without ``share_forward``."""
         if not self.share_forward:
-            read_teacher_forced(pl_module, batch_forward(pl_module, batch), [self], self.chunk_size)
+            self.read_forward(pl_module, batch_forward(pl_module, batch))
             return
         record = pl_module.mtp_validation_forward(batch)
-        fed = record.derived.setdefault(_FED, [])
-        if any(reader is self for reader in fed):
-            return
         if record.forward is None:  # a host with its own validation_step: computed once here, for every reader
             record.forward = batch_forward(pl_module, batch)
-        waiting = record.derived.setdefault(_WAITING, [])
-        if not any(reader is self for reader in waiting):
-            waiting.append(self)
-        sequences = sequences_per_chunk(pl_module, record.forward, self.chunk_size)
-        group = [r for r in waiting if sequences_per_chunk(pl_module, record.forward, r.chunk_size) == sequences]
-        read_teacher_forced(pl_module, record.forward, group, self.chunk_size)
-        record.derived[_WAITING] = [r for r in waiting if not any(r is g for g in group)]
-        fed.extend(group)
+        self.read_forward(pl_module, record.forward)
 
 
-def read_teacher_forced(
-    module: MTPMixin, fwd: MTPForward, readers: Sequence[TeacherForcedCallback], chunk_size: Optional[int] = None
-) -> None:
-    """One pass over the logits of ``fwd``, chunked by ``chunk_size``, fed to every reader."""
-    for reader in readers:
-        reader.begin_batch(module, fwd)
-    for part, main, depths in sequence_logits(module, fwd, chunk_size):
-        for reader in readers:
-            reader.read_logits(module, fwd, part, main, depths)
-    for reader in readers:
-        reader.end_batch(module, fwd)
+def teacher_forced_argmax(module: MTPMixin, fwd: MTPForward) -> list[Tensor]:
+    """Per depth k = 0..D (0: the main head): (B, T-k-1) argmax of every position's (transformed) logits.
+
+    Those the validation loss computed (``fwd.argmax``, the fused cross-entropy's row argmax) are reused; the missing
+    ones (depths the loss does not score yet, or a forward computed outside ``validation_step``) come from the same
+    cross-entropy's forward alone, each depth a part of its own chunked by its own rows as in the loss, so both agree
+    to the bit. They are cached on ``fwd`` for the other readers.
+    """
+    cfg = module.mtp_config
+    states = [fwd.main_hidden, *fwd.depth_hidden]  # (B, T-k-1, H) each
+    missing = [k for k in range(len(states)) if k not in fwd.argmax]
+    if missing:
+        specs = [DepthLossSpec(module.mtp_depth_head_weight(k), depth_targets(fwd.labels, k, states[k].shape[1]), 1.0,
+                               cfg.ignore_index, cfg.loss_chunk_size, module.mtp_depth_head(k)) for k in missing]
+        with torch.no_grad():
+            parts = score_jointly(specs, [states[k] for k in missing], module.mtp_logit_transform())
+        for k, part in zip(missing, parts):
+            fwd.argmax[k] = part.row_argmax.view(states[k].shape[:2])
+    return [fwd.argmax[k] for k in range(len(states))]
 
 
 def teacher_forced_forward(module: MTPMixin, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
@@ -126,8 +116,9 @@ def sequence_logits(
 ) -> Iterator[tuple[slice, Tensor, list[Tensor]]]:
     """Per chunk of sequences: (the sequences, main logits (b, T-1, V), [depth k logits (b, T-k-1, V)]), fp32.
 
-    Whole sequences go together so that depth k at i meets the main model at i+k; about ``chunk_size`` rows of
-    logits per depth are alive at once (at least one sequence).
+    Every position's logits, as the heads and the host's transform give them (for tests and analysis; the callbacks
+    read :func:`teacher_forced_argmax` and :func:`probed_logits` instead). Whole sequences go together so that depth k
+    at i meets the main model at i+k; about ``chunk_size`` rows of logits per depth are alive at once.
     """
     heads = [head_logits(module, depth_head(module, k)) for k in range(len(fwd.depth_hidden) + 1)]
     with torch.no_grad():
@@ -137,10 +128,26 @@ def sequence_logits(
             yield part, main, depths
 
 
-def sequences_per_chunk(module: MTPMixin, fwd: MTPForward, chunk_size: Optional[int] = None) -> int:
-    """Whole sequences per chunk of :func:`sequence_logits`: about ``chunk_size`` rows, at least one sequence."""
+def probed_logits(
+    module: MTPMixin, fwd: MTPForward, depth: int, part: slice, columns: slice, offset: int = 0
+) -> Tensor:
+    """Depth ``depth``'s logits (0: the main head) at positions ``offset`` + ``columns`` of sequences ``part``:
+    (b, n, V) fp32, the head called on those rows of the states only."""
+    states = fwd.main_hidden if depth == 0 else fwd.depth_hidden[depth - 1]  # (B, T-k-1, H)
+    length = states.shape[1] - offset
+    rows = states[part, offset : offset + length][:, columns]  # (b, n, H)
+    with torch.no_grad():
+        return head_logits(module, depth_head(module, depth))(rows)
+
+
+def sequences_per_chunk(
+    module: MTPMixin, fwd: MTPForward, chunk_size: Optional[int] = None, rows_per_sequence: Optional[int] = None
+) -> int:
+    """Whole sequences per chunk: about ``chunk_size`` rows of logits (each sequence has ``rows_per_sequence``,
+    default its length), at least one sequence."""
     batch, length = fwd.input_ids.shape
-    return max(1, chunk_rows(module, batch * length, chunk_size) // length)
+    per_sequence = max(1, length if rows_per_sequence is None else rows_per_sequence)
+    return max(1, chunk_rows(module, batch * length, chunk_size) // per_sequence)
 
 
 def probed_columns(batch: int, length: int, max_positions: Optional[int], index: int) -> slice:

@@ -18,10 +18,13 @@ from lightning_mtp.callbacks._base import check_int, require_mtp_module
 from lightning_mtp.callbacks._teacher_forcing import (
     TeacherForcedCallback,
     probed_columns,
+    probed_logits,
     scored_positions,
-    sequence_logits,
+    sequences_per_chunk,
+    teacher_forced_argmax,
     teacher_forced_forward,
 )
+from lightning_mtp.head_calls import row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin
 
 
@@ -95,27 +98,25 @@ def teacher_forced_acceptance(
     """Greedy acceptance, coupling and calibration inputs of every depth on teacher-forced tokens.
 
     Args:
-        module: the MTP module (logits come from calling its heads).
+        module: the MTP module (logits come from its heads).
         input_ids: (B, T) tokens.
         labels: (B, T) targets aligned with ``input_ids``, ``ignore_index`` where not scored (default: input_ids).
-        chunk_size: rows of logits per depth alive at once.
+        chunk_size: rows of probed logits per depth alive at once.
         fwd: a :func:`teacher_forced_forward` of these tokens, when already computed.
         max_positions: compute ``js`` and ``confidence`` on about this many positions only (``None``: all).
         index: the batch's number in the epoch, which rotates the probed positions.
     """
     fwd = fwd if fwd is not None else teacher_forced_forward(module, input_ids, labels)
-    outcomes = TeacherForcedOutcomes(module, fwd, max_positions, index)
-    for part, main, depths in sequence_logits(module, fwd, chunk_size):
-        outcomes.add(part, main, depths)
-    return outcomes.stats()
+    return TeacherForcedOutcomes(module, fwd, max_positions, index).read(module, fwd, chunk_size).stats()
 
 
 class TeacherForcedOutcomes:
-    """What :func:`teacher_forced_acceptance` gathers from a batch's logits, chunk by chunk: every depth's argmax and
-    draft confidence, the main model's argmax, and the JS divergence of adjacent depths.
+    """What :func:`teacher_forced_acceptance` gathers from a batch: every depth's argmax and draft confidence, the
+    main model's argmax, and the JS divergence of adjacent depths.
 
-    The argmaxes cover every position; the confidences and JS divergences, which need softmaxes over the vocabulary,
-    cover the positions of :func:`probed_columns` (``max_positions`` per batch, rotated by ``index``)."""
+    The argmaxes cover every position and come from :func:`teacher_forced_argmax` (the loss pass's, in validation);
+    the confidences and JS divergences, which need softmaxes over the vocabulary, cover the positions of
+    :func:`probed_columns` (``max_positions`` per batch, rotated by ``index``), whose logits alone are computed."""
 
     def __init__(
         self, module: MTPMixin, fwd: MTPForward, max_positions: Optional[int] = None, index: int = 0
@@ -125,8 +126,7 @@ class TeacherForcedOutcomes:
         self.depth = depth = len(fwd.depth_hidden)
         batch, length = labels.shape
         self.temperatures = [float(t) for t in module.mtp_draft_temperatures]
-        self.main_argmax = labels.new_zeros(batch, length - 1)
-        self.argmax = [labels.new_zeros(batch, length - k - 1) for k in range(1, depth + 1)]
+        self.main_argmax, *self.argmax = teacher_forced_argmax(module, fwd)  # (B, T-1), (B, T-k-1) per depth
         self.confidence = [torch.zeros(batch, length - k - 1, device=labels.device) for k in range(1, depth + 1)]
         self.js = [torch.zeros(batch, length - k - 2, device=labels.device) for k in range(1, depth)]
         self.columns = probed_columns(batch, length - 2, max_positions, index)  # the same for every depth
@@ -135,15 +135,19 @@ class TeacherForcedOutcomes:
         for probed in self.probed:
             probed[:, self.columns] = True
 
-    def add(self, part: slice, main: Tensor, depths: list[Tensor]) -> None:
-        """One chunk of sequences: main logits (b, T-1, V), depth k's (b, T-k-1, V)."""
+    def read(self, module: MTPMixin, fwd: MTPForward, chunk_size: Optional[int] = None) -> TeacherForcedOutcomes:
+        """Compute the probed logits of every depth, about ``chunk_size`` rows per depth at a time, and add them."""
+        batch, length = fwd.labels.shape
+        probed = len(range(length - 2)[self.columns])  # probed positions per sequence (depth 1's)
+        for part in row_chunks(batch, sequences_per_chunk(module, fwd, chunk_size, probed)):
+            self.add(part, [probed_logits(module, fwd, k, part, self.columns) for k in range(1, self.depth + 1)])
+        return self
+
+    def add(self, part: slice, depths: list[Tensor]) -> None:
+        """One chunk of sequences: depth k's logits at the probed positions, (b, n_k, V) each."""
         columns = self.columns
-        # max(-1).indices: argmax's values (the first maximum) in about half argmax's CPU time (measured, torch 2.x)
-        self.main_argmax[part] = main.max(-1).indices
         log_probs = []  # depth k's log-softmax at the probed positions, (b, n_k, V): shared by both of its JS pairs
-        for k, logits in enumerate(depths, start=1):
-            self.argmax[k - 1][part] = logits.max(-1).indices
-            probed = logits[:, columns]  # (b, n_k, V)
+        for k, probed in enumerate(depths, start=1):
             # top of softmax(z / T) = 1 / Σ exp((z - max z) / T); floored at -80, where exp is subnormal (slow on x86)
             # and adds nothing next to the maximum's 1
             scaled = (probed - probed.amax(-1, keepdim=True)).div_(self.temperatures[k - 1]).clamp_(min=-80.0)
@@ -179,7 +183,7 @@ class MTPCouplingMonitor(TeacherForcedCallback):
 
     For every configured depth k (all of them, whatever ``MTPDepthWarmup`` has activated), on teacher-forced
     validation tokens, from the hidden states ``validation_step`` computed for the loss (the trunk is not run again;
-    the draft calibration, when present, reads the same logits):
+    the draft calibration, when present, reads the same states) and the argmaxes its cross-entropy computed:
 
     - ``val/mtp/coupling_depth{k}``: how often depth k's argmax equals depth k+1's at the same position (k < D);
     - ``val/mtp/js_depth{k}``: Jensen-Shannon divergence (nats) between depths k and k+1 (k < D);
@@ -203,13 +207,13 @@ class MTPCouplingMonitor(TeacherForcedCallback):
     quantities, estimated with more sampling noise; ``max_positions=None`` reads every position.
 
     Values are means over all scored positions of the epoch (torchmetrics objects, synchronised across ranks). When
-    a coupling passes ``coupling_threshold``, it warns once, on rank zero. Logits come from calling the head modules,
-    so it works under DeepSpeed ZeRO-3.
+    a coupling passes ``coupling_threshold``, it warns once, on rank zero. The probed logits come from calling the
+    head modules, so it works under DeepSpeed ZeRO-3.
 
     Args:
         coupling_threshold: warn when a coupling (fraction in [0, 1]) exceeds it.
         n_bins: bins of the calibration error.
-        chunk_size: rows of logits per depth alive at once (default: the MTP loss's chunk size).
+        chunk_size: rows of probed logits per depth alive at once (default: the MTP loss's chunk size).
         max_positions: positions per batch of ``js`` and ``ece`` (≥ 1; ``None``: all of them).
 
     Example::
@@ -237,7 +241,6 @@ class MTPCouplingMonitor(TeacherForcedCallback):
                               else check_int("MTPCouplingMonitor.max_positions", max_positions, 1))
         self.warned = False
         self._batches = 0  # read this epoch: rotates the probed positions
-        self._outcomes: Optional[TeacherForcedOutcomes] = None  # the batch being read
         self.means: dict[str, MeanMetric] = {}
         self.calibration: dict[str, BinaryCalibrationError] = {}
 
@@ -272,20 +275,10 @@ class MTPCouplingMonitor(TeacherForcedCallback):
             self.read_validation_batch(pl_module, batch)
 
     @override
-    def begin_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
-        self._outcomes = TeacherForcedOutcomes(pl_module, fwd, self.max_positions, self._batches)
-
-    @override
-    def read_logits(
-        self, pl_module: MTPMixin, fwd: MTPForward, part: slice, main: Tensor, depths: list[Tensor]
-    ) -> None:
-        self._outcomes.add(part, main, depths)
-
-    @override
-    def end_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
-        stats, self._outcomes = self._outcomes.stats(), None
+    def read_forward(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
+        outcomes = TeacherForcedOutcomes(pl_module, fwd, self.max_positions, self._batches)
         self._batches += 1
-        self.update(stats)
+        self.update(outcomes.read(pl_module, fwd, self.chunk_size).stats())
 
     def update(self, stats: AcceptanceStats) -> None:
         """Add one batch's outcomes to the epoch's metrics."""

@@ -15,8 +15,9 @@ from lightning_mtp.callbacks._base import check_int, require_mtp_module
 from lightning_mtp.callbacks._teacher_forcing import (
     TeacherForcedCallback,
     probed_columns,
+    probed_logits,
     scored_positions,
-    sequence_logits,
+    sequences_per_chunk,
 )
 from lightning_mtp.head_calls import row_chunks
 from lightning_mtp.mixin import MTPForward, MTPMixin
@@ -47,8 +48,9 @@ class MTPDraftCalibration(TeacherForcedCallback):
 
     At the end of each validation epoch (not the sanity check) it sets ``pl_module.mtp_draft_temperatures``, which the
     checkpoint saves with the model and which decoding uses for the draft distribution in sampling mode. Logits come
-    from calling the head modules (DeepSpeed ZeRO-3 safe) on the hidden states ``validation_step`` computed for the
-    loss, in one pass shared with ``MTPCouplingMonitor``; the sums are all-reduced across ranks.
+    from calling the head modules (DeepSpeed ZeRO-3 safe) on the probed rows only of the hidden states
+    ``validation_step`` computed for the loss (shared with ``MTPCouplingMonitor``); the sums are all-reduced across
+    ranks.
 
     Logs ``val/mtp/temperature_depth{k}`` and ``val/mtp/draft_kl_depth{k}`` (mean KL(main ‖ tempered draft) at T_k).
 
@@ -57,7 +59,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         min_temperature: lowest temperature (> 0).
         max_temperature: highest temperature (> ``min_temperature``).
         max_batches: calibrate on the first ``max_batches`` validation batches of each epoch (default: all).
-        chunk_size: rows of logits per depth alive at once (default: the MTP loss's chunk size).
+        chunk_size: rows of probed logits per depth alive at once (default: the MTP loss's chunk size).
         max_positions: positions per batch the fit reads (≥ 1; ``None``: all of them).
 
     Example::
@@ -130,7 +132,7 @@ class MTPDraftCalibration(TeacherForcedCallback):
         if not self.wants_batch(trainer):
             return
         self._batches += 1
-        self.read_validation_batch(pl_module, batch)  # accumulate(), in a logit pass shared with other readers
+        self.read_validation_batch(pl_module, batch)  # read_forward() on the forward shared with other readers
 
     @override
     def wants_batch(self, trainer: L.Trainer) -> bool:
@@ -138,25 +140,22 @@ class MTPDraftCalibration(TeacherForcedCallback):
 
     def accumulate(self, module: MTPMixin, fwd: MTPForward) -> None:
         """Add one teacher-forced batch (every depth) to the epoch's sums."""
-        for part, main, depths in sequence_logits(module, fwd, self.chunk_size):
-            self.read_logits(module, fwd, part, main, depths)
-        self.end_batch(module, fwd)
+        self.read_forward(module, fwd)
 
     @override
-    def end_batch(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
-        self._read += 1
-
-    @override
-    def read_logits(
-        self, pl_module: MTPMixin, fwd: MTPForward, part: slice, main: Tensor, depths: list[Tensor]
-    ) -> None:
+    def read_forward(self, pl_module: MTPMixin, fwd: MTPForward) -> None:
         batch, length = fwd.labels.shape
         columns = probed_columns(batch, length - 2, self.max_positions, self._read)  # the same for every depth
-        for k, logits in enumerate(depths, start=1):
-            span = length - k - 1
-            valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index)[:, columns]
-            # depth k at i, main at i+k; (b, n, V)[valid] -> (N, V)
-            self.add_logits(k, logits[:, columns][valid], main[:, k : k + span][:, columns][valid])
+        self._read += 1
+        probed = len(range(length - 2)[columns])  # probed positions per sequence
+        for part in row_chunks(batch, sequences_per_chunk(pl_module, fwd, self.chunk_size, probed)):
+            for k in range(1, len(fwd.depth_hidden) + 1):
+                span = length - k - 1
+                valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index)[:, columns]
+                # depth k at i, main at i+k, on the probed positions only; (b, n, V)[valid] -> (N, V)
+                draft = probed_logits(pl_module, fwd, k, part, columns)
+                main = probed_logits(pl_module, fwd, 0, part, columns, offset=k)
+                self.add_logits(k, draft[valid], main[valid])
 
     def add_logits(self, depth: int, draft_logits: Tensor, main_logits: Tensor) -> None:
         """Add rows (N, V) of depth ``depth``'s logits z and the main model's logits at the verified positions:

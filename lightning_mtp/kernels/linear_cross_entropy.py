@@ -13,7 +13,8 @@ Same signature and outputs as :func:`~lightning_mtp.kernels.linear_cross_entropy
 3. ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight += dlogits.T @ h`` into ONE fp32 buffer for all rows (all
    depths sharing the head go through one call).
 
-Backward only scales the stored gradients by the incoming gradient. Ignored rows have weight 0: loss 0, no gradient.
+Backward only scales the stored gradients by the incoming gradient (in place; the autograd Function and the
+handling of a list of parts are the twin's). Ignored rows have weight 0: loss 0, no gradient.
 Only the gradients backward will ask for are computed (the twin's ``grads_wanted``): under ``no_grad`` or
 ``inference_mode`` the kernel runs without its second pass and no gradient buffer is allocated.
 Targets must be in ``[0, V)`` or equal ``ignore_index`` (not checked, to avoid a device sync).
@@ -29,7 +30,7 @@ Example (CUDA tensors; CPU tensors work under ``TRITON_INTERPRET=1``, slowly)::
 
 import functools
 from types import SimpleNamespace
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -37,10 +38,10 @@ from torch import Tensor
 from lightning_mtp.kernels.dispatch import LazyKernel, check_triton_usable
 from lightning_mtp.kernels.linear_cross_entropy_torch import (
     LinearCrossEntropyOutput,
+    as_parts,
     check_logit_transform,
-    default_chunk_size,
-    grads_wanted,
     resolve_row_weights,
+    score_parts,
 )
 
 try:  # kernels are plain functions built lazily (see LazyKernel); without triton only the annotations need `tl`
@@ -169,19 +170,25 @@ def fused_chunked_pass(
     grad_weight_wanted: bool,
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
+    overwrite_hidden: bool = False,
+    grad_weight: Optional[Tensor] = None,
 ):
     """One chunked sweep: ``(row_loss (N,) fp32, row_argmax (N,) int64, grad_hidden | None, grad_weight fp32 | None)``.
 
     Without either gradient wanted it is the forward alone (``COMPUTE_GRAD=False``: no d(logits), no gradient buffer).
     ``row_weights`` (N,) fp32 scales each row's gradient (zero on ignored rows). Inputs must be contiguous. The loss,
     argmax and gradients are those of the logits scaled by ``logit_scale`` and capped by ``softcap``.
+    ``overwrite_hidden`` and ``grad_weight`` (an fp32 buffer to accumulate into) as in the twin's ``chunked_pass``.
     """
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     compute_grad = grad_hidden_wanted or grad_weight_wanted
     row_loss = torch.zeros(num_rows, device=hidden.device, dtype=torch.float32)
     row_argmax = torch.zeros(num_rows, device=hidden.device, dtype=torch.long)
-    grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None
-    grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grad_weight_wanted else None
+    grad_hidden = (hidden if overwrite_hidden else torch.empty_like(hidden)) if grad_hidden_wanted else None
+    if grad_weight_wanted and grad_weight is None:
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    elif not grad_weight_wanted:
+        grad_weight = None
     chunk_rows = max(1, min(chunk_size, num_rows))
     logits_buffer = torch.empty((chunk_rows, vocab), device=hidden.device, dtype=hidden.dtype)  # (chunk, V)
     for start in range(0, num_rows, chunk_rows):
@@ -204,42 +211,15 @@ def fused_chunked_pass(
             COMPUTE_GRAD=compute_grad,
         )
         # logits now holds d(loss)/d(logits) when compute_grad
+        if grad_weight_wanted:  # before the hidden rows may be overwritten by their gradient
+            _accumulate_fp32(grad_weight, logits.t(), h)  # (V, H)
         if grad_hidden_wanted:
             torch.mm(logits, weight, out=grad_hidden[start:end])  # (c, H)
-        if grad_weight_wanted:
-            _accumulate_fp32(grad_weight, logits.t(), h)  # (V, H)
     return row_loss, row_argmax, grad_hidden, grad_weight
 
 
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Gradients are computed in forward (no logits kept); backward only scales them by the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, ignore_index, chunk_size, logit_scale, softcap,
-                grad_hidden_wanted, grad_weight_wanted):
-        # hidden (N, H), weight (V, H), targets (N,) int64, row_weights (N,) fp32 already zero on ignored rows. The two
-        # flags come from grads_wanted(): ctx.needs_input_grad cannot tell whether backward will run.
-        row_loss, row_argmax, grad_hidden, grad_weight = fused_chunked_pass(
-            hidden, weight, targets, row_weights, ignore_index, chunk_size, grad_hidden_wanted, grad_weight_wanted,
-            logit_scale, softcap,
-        )
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(row_loss, row_argmax)  # documented as detached
-        return (row_loss * row_weights).sum(), row_loss, row_argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_row_loss, _grad_argmax):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
-
-
 def linear_cross_entropy_triton(
-    hidden: Tensor,
+    hidden: Union[Tensor, Sequence[Tensor]],
     weight: Tensor,
     targets: Tensor,
     row_weights: Optional[Tensor] = None,
@@ -247,33 +227,21 @@ def linear_cross_entropy_triton(
     chunk_size: Optional[int] = None,
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
+    overwrite_hidden: Union[bool, Sequence[bool]] = False,
 ) -> LinearCrossEntropyOutput:
     """Triton twin of :func:`linear_cross_entropy_torch`: same arguments (documented there), same outputs.
 
-    The kernel takes ``hidden`` in fp32, bf16 or fp16 with ``weight`` of the same dtype, and ``targets`` in
-    ``[0, V)`` or ``ignore_index``. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors (tests).
+    The kernel takes ``hidden`` (or each part) in fp32, bf16 or fp16 with ``weight`` of the same dtype, and
+    ``targets`` in ``[0, V)`` or ``ignore_index``. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tensors
+    (tests). The autograd Function is the twin's (:class:`ChunkedLinearCrossEntropy`), running this file's sweep.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden rows {hidden.shape[0]}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    parts = as_parts(hidden, weight, targets)
+    if any(part.dtype != weight.dtype for part in parts):
+        raise ValueError(f"hidden ({parts[0].dtype}) and weight ({weight.dtype}) must have the same dtype")
     check_logit_transform(logit_scale, softcap)
-    check_triton_usable(hidden, weight, targets, row_weights)
-    chunk_size = chunk_size or default_chunk_size(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    check_triton_usable(*parts, weight, targets, row_weights)
     weights = resolve_row_weights(targets, row_weights, ignore_index).contiguous()
-    args = (hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), weights, int(ignore_index),
-            int(chunk_size))
-    transform = (float(logit_scale), None if softcap is None else float(softcap))
-    grad_hidden_wanted, grad_weight_wanted = grads_wanted(hidden, weight)
-    if not (grad_hidden_wanted or grad_weight_wanted):  # validation, inference, a frozen head and trunk
-        with torch.no_grad():  # not differentiable w.r.t. row_weights on either path
-            row_loss, row_argmax, _, _ = fused_chunked_pass(*args, False, False, *transform)
-            return LinearCrossEntropyOutput((row_loss * weights).sum(), row_loss, row_argmax)
-    loss, row_loss, row_argmax = FusedLinearCrossEntropyFunction.apply(
-        *args, *transform, grad_hidden_wanted, grad_weight_wanted
-    )
-    return LinearCrossEntropyOutput(loss, row_loss, row_argmax)
+    # A part that is not contiguous is copied: the copy, not the caller's tensor, then receives the gradient.
+    parts = [part.contiguous() for part in parts]
+    return score_parts(parts, weight.contiguous(), weights, targets.long().contiguous(), fused_chunked_pass,
+                       ignore_index, chunk_size, overwrite_hidden, logit_scale, softcap)

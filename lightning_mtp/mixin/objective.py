@@ -32,14 +32,20 @@ class MTPObjective:
         return self._run_depths(hidden, input_ids, labels, with_loss=False)[0]
 
     def _score(
-        self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None
+        self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None,
+        states_kept: bool = False,
     ) -> MTPLossOutput:
-        """Score the main head (if given) and every active depth jointly: one cross-entropy call per head."""
+        """Score the main head (if given) and every active depth jointly: one cross-entropy call per head.
+
+        ``states_kept``: the caller keeps the normed states (another reference to them), so they must stay intact.
+        """
         hidden = ([fwd.main_hidden] if main is not None else []) + list(fwd.depth_hidden)
-        if not (self._mtp_loss_terms and torch.is_grad_enabled()):
-            # Nothing reads the normed states after scoring: let the scorer free them as soon as they are copied.
+        private = not (states_kept or (self._mtp_loss_terms and torch.is_grad_enabled()))
+        if private:
+            # Nothing reads the normed states after scoring: the scorer writes their gradients into them.
             fwd.main_hidden, fwd.depth_hidden = None, []
-        parts = score_jointly(([main] if main is not None else []) + specs, hidden, self.mtp_logit_transform())
+        parts = score_jointly(([main] if main is not None else []) + specs, hidden, self.mtp_logit_transform(),
+                              private)
         main_part = parts.pop(0) if main is not None else None
         return self._finish(fwd, parts, main_part)
 

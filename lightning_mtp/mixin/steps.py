@@ -87,7 +87,12 @@ class MTPSteps:
         active = len(specs)
         # _score drops the states it scored from the forward it is given: give it a copy, keep the full one.
         scored = dataclasses.replace(fwd, depth_hidden=fwd.depth_hidden[:active])
-        return self._score(scored, specs, main), fwd
+        out = self._score(scored, specs, main, states_kept=True)
+        # The fused cross-entropy's argmax of every scored position (main head, then the active depths): the
+        # callbacks' acceptance statistics need exactly these, so they are kept rather than recomputed.
+        states = [fwd.main_hidden, *fwd.depth_hidden[:active]]
+        fwd.argmax = {k: pred.view(h.shape[:2]) for k, (pred, h) in enumerate(zip(out.losses.predictions, states))}
+        return out, fwd
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
