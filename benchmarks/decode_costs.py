@@ -305,7 +305,7 @@ def auto_memory(model) -> list[dict]:
     steps, the acceptance estimates per (depth, sibling rank) and the measured tau of dynamic trees."""
     out = []
     for key, memory in model.__dict__.get("_mtp_auto_memory", {}).items():
-        names = ("host", "batch_size", "device", "dtype")
+        names = ("host", "batch_size", "device", "dtype", "sampling")
         entry = dict(zip(names, key)) if isinstance(key, tuple) and len(key) >= len(names) else {"key": str(key)}
         unit = memory.step_seconds.get("plain") or 1.0
         entry.update(

@@ -316,12 +316,14 @@ def generate(
             "of parameter all-gathers, and deadlock; leave it unset"
         )
     if isinstance(policy, AutoSteps) and policy.needs_calibration:
-        calibration = replace(config, max_new_tokens=1, temperature=0.0, eos_token_id=None, seed=None)
+        # the call's own mode (greedy or sampling: sampled trees cost more), its own random stream
+        calibration = replace(config, max_new_tokens=1, eos_token_id=None, seed=None)
 
         def run(calibration_prompts: Tensor, new_tokens: int) -> Any:
             calibration.max_new_tokens = new_tokens
             rows = torch.full((calibration_prompts.shape[0],), calibration_prompts.shape[1], device=device)
-            return decode(host, drafter, calibration_prompts, rows, calibration, policy=policy)
+            own = torch.Generator(device=device).manual_seed(0)
+            return decode(host, drafter, calibration_prompts, rows, calibration, own, policy=policy)
 
         calibrate_steps(policy, run, host.vocab_size, prompts.shape[0], host.max_context, device)
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)

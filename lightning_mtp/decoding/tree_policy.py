@@ -98,7 +98,8 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
     """Time every option on this machine and model: decode a random prompt taking the options in turn (three
     rounds, the first one discarded) and keep each option's median step time in the policy's memory.
 
-    ``run(prompts, max_new_tokens)`` decodes with ``steps`` as the policy (greedy, its own generator).
+    ``run(prompts, max_new_tokens)`` decodes with ``steps`` as the policy (the call's greedy or sampling settings,
+    its own generator).
     """
     options = steps.policy.options
     rounds = 3
@@ -151,8 +152,14 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         options = candidate_options(max_depth, depth, cascaded, trees)
     if not trees:
         options = [o for o in options if o is None or (o.is_chain and o.depth <= depth)]
+    elif config.sampling and requested is None:
+        # Sampled trees verify sibling by sibling, each a residual update over the vocabulary: measured on CPU they
+        # did not pay (benchmarks/results/quickstart_model: tree [3, 2] 1.00x, dynamic 0.52x, chain k=2 1.30x), so
+        # sampling chooses among plain steps and chains (an explicit draft_tree is still honoured).
+        options = [o for o in options if o is None or o.is_chain]
     dtype = module.mtp_output_head().weight.dtype
-    key = (type(host).__name__, batch, str(device), str(dtype), tuple(o and o.describe() for o in options))
+    key = (type(host).__name__, batch, str(device), str(dtype), config.sampling,
+           tuple(o and o.describe() for o in options))
     memory = memory_for(module, key, AutoMemory)
     if config.sampling:
         # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
