@@ -311,8 +311,8 @@ def auto_memory(model) -> list[dict]:
         entry.update(
             plain_step_s=unit,
             step_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.step_seconds.items())},
-            acceptance={f"depth {d} rank {r}": round(v, 4) for (d, r), v in sorted(memory.acceptance.items())
-                        if v >= 1e-3},  # ranks whose estimate decayed to ~0 left out
+            acceptance={f"depth {d} rank {r}": [round(hits, 2), round(tried, 2)]
+                        for (d, r), (hits, tried) in sorted(memory.acceptance.items())},  # (accepted, tried)
             measured_tau=dict(memory.measured_tau),
         )
         out.append(entry)

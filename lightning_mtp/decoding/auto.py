@@ -30,6 +30,10 @@ CALIBRATION_ROWS = 32
 """Calibration decodes at most this many rows (a larger batch is timed at this size)."""
 PRIOR_ACCEPTANCE = 0.6
 """Prior probability that the best candidate of a depth is accepted given its parent (rank r: prior / (r + 1)^2)."""
+PRIOR_WEIGHT = 4.0
+"""How many observations the prior acceptance is worth."""
+FORGET = 0.98
+"""Each step multiplies the acceptance counts by this (older steps count less; about the last 50 matter)."""
 PROBE_EVERY = 24
 """Every this many steps the runner-up option is taken once, so its estimates stay current."""
 
@@ -40,8 +44,9 @@ class AutoMemory:
 
     step_seconds: dict[str, float] = field(default_factory=dict)
     """option -> measured seconds of a decoding step with it (calibration run, then a running average)."""
-    acceptance: dict[tuple[int, int], float] = field(default_factory=dict)
-    """(depth, rank) -> P(candidate of that rank accepted | parent accepted)."""
+    acceptance: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    """(depth, rank) -> (accepted, tried) counts of the candidate of that rank given its parent was accepted, slowly
+    forgotten (see :meth:`AutoPolicy.update`)."""
     measured_tau: dict[str, float] = field(default_factory=dict)
     """option -> measured tokens per row-step (dynamic trees)."""
 
@@ -71,7 +76,11 @@ class AutoPolicy:
         self._rates: Optional[list[float]] = None  # cached until the next update
 
     def _acceptance(self, depth: int, rank: int) -> float:
-        return self.memory.acceptance.get((depth, rank), PRIOR_ACCEPTANCE / (rank + 1) ** 2)
+        """P(rank-``rank`` candidate at ``depth`` accepted | parent accepted): the counts with a prior worth
+        ``PRIOR_WEIGHT`` observations, so that a few rejections at batch 1 cannot lock the policy into plain steps."""
+        prior = PRIOR_ACCEPTANCE / (rank + 1) ** 2
+        hits, tried = self.memory.acceptance.get((depth, rank), (0.0, 0.0))
+        return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def expected_tokens(self, option: Optional[TreeShape]) -> float:
         """1 + expected accepted drafts per row. A static tree's nodes at depth d are every combination of ranks,
@@ -130,8 +139,8 @@ class AutoPolicy:
             if reached == 0:
                 continue
             for rank, hits in enumerate(per_rank):
-                old = self._acceptance(depth, rank)
-                memory.acceptance[(depth, rank)] = decay * old + (1 - decay) * hits / reached
+                old_hits, old_tried = memory.acceptance.get((depth, rank), (0.0, 0.0))
+                memory.acceptance[(depth, rank)] = (FORGET * old_hits + hits, FORGET * old_tried + reached)
 
 
 class RoundRobin:

@@ -21,7 +21,7 @@ from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logit
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
 from lightning_mtp.decoding.tree import MAX_RANK, DraftTree, TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
-from lightning_mtp.kernels import verify_tree
+from lightning_mtp.kernels import verify_drafts, verify_tree
 from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput
 
 
@@ -45,6 +45,11 @@ def accept_tree(tree: DraftTree, logits: Tensor, config: GenerationConfig, depth
         return verify_tree(tree.tokens, tree.parents, tree.depths, logits, mode="greedy", max_depth=depth,
                            anc=tree.anc)
     probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, T, V) = p
+    if tree.probs is not None and tree.tokens.shape[1] == depth + 1:  # a chain: plain speculative sampling
+        verdict = verify_drafts(tree.tokens[:, 1:], probs, tree.probs[:, :depth], mode="sampling", generator=generator)
+        path = torch.arange(depth + 1, device=probs.device).expand(probs.shape[0], -1)
+        path = torch.minimum(path, verdict.num_accepted.unsqueeze(1))  # past the accepted prefix: its last node
+        return TreeVerifyOutput(verdict.num_accepted, path, verdict.output_tokens)
     return verify_tree(tree.tokens, tree.parents, tree.depths, probs, tree.probs, mode="sampling", max_depth=depth,
                        generator=generator, anc=tree.anc)
 
