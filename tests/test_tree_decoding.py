@@ -86,6 +86,141 @@ def test_auto_greedy_equals_plain_greedy(models, architecture):
     assert GenerationConfig().speculative == "auto"
 
 
+class MixedSteps:
+    """A step policy cycling through every kind of step (plain, chains up to beyond D, static and dynamic trees) in
+    an irregular order, as ``auto`` may: each kind leaves the MTP modules' caches in its own state for the next."""
+
+    OPTIONS = [None, TreeShape.chain(1), TreeShape(branching=(3, 2, 1)), TreeShape.chain(3), None, TreeShape.chain(4),
+               TreeShape(branching=(2,)), TreeShape.chain(2), TreeShape(nodes=6, top_k=2, max_depth=3),
+               TreeShape(branching=(1, 1, 1, 1, 1)), TreeShape.chain(1), TreeShape(branching=(2, 2))]
+
+    def __init__(self, parallel: bool = False) -> None:
+        self.options = [o for o in self.OPTIONS if not (parallel and o is not None and o.depth > 3)]
+        self.max_nodes = max(o.num_nodes for o in self.options if o is not None) + 1
+        self.steps = 0
+
+    def next(self):
+        self.steps += 1
+        return self.options[(self.steps * 5) % len(self.options)]
+
+    def observe_step(self, option, extra, active_rows, seconds) -> None:
+        pass
+
+
+def decode_mixed(model, input_ids, mask, max_new_tokens, **config):
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.speculative import decode, prepare_prompts
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    policy = MixedSteps(parallel=model.mtp_config.architecture == "parallel")
+    host = decoding_host(model)
+    drafter = MTPTreeDrafter(model, max(o.depth for o in policy.options if o is not None))
+    prompts, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
+    generator = config.pop("generator", None)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, speculative=True, **config)
+    return decode(host, drafter, prompts, lengths, config, generator, policy=policy)
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_mixed_step_kinds_in_one_call_equal_plain_greedy(models, architecture):
+    model = models[architecture]
+    input_ids, mask, prompts = ragged_prompts(seed=6)
+    expected = [alone(model, p, 48) for p in prompts]
+    out = decode_mixed(model, input_ids, mask, 48)
+    assert rows_of(out) == expected
+    assert sum(out.stats.accepted_per_depth) > 0
+
+
+def test_mixed_step_kinds_in_one_call_keep_the_sampling_distribution():
+    """Chains write their nodes at their own positions, trees at scratch slots: any order of the two stays exact."""
+    model = draftable_model("cascaded")
+    prompt = torch.tensor([[5, 2, 9, 11, 3]])
+    rows = 12288
+    out = decode_mixed(model, prompt.expand(rows, -1), None, 3, temperature=1.0, top_k=8,
+                       generator=torch.Generator().manual_seed(1))
+    check_first_three_tokens(model, prompt, out.new_tokens, "mixed steps")
+
+
+def reference_children(model, sequence: torch.Tensor, newest: int, depth: int, count: int) -> list[int]:
+    """The ``count`` best draft tokens of ``depth`` after ``sequence`` (1-D: committed tokens up to position
+    ``newest``, then the draft path of ``depth - 1`` tokens), computed uncached over the whole sequence: h_0 from the
+    trunk, then module k (the last module re-applied beyond D) over positions 0..T-k-1 with Emb(t(i+k)); depth
+    ``depth`` at position ``newest - 1`` predicts the token at ``newest + depth``."""
+    modules = model.require_mtp_modules()
+    cascaded = model.mtp_config.architecture == "cascaded"
+    with torch.no_grad():
+        seq = sequence.unsqueeze(0)  # (1, T)
+        length = seq.shape[1]
+        cos, sin = model.mtp_rope(length)
+        h0 = model(seq)  # (1, T, H)
+        hidden = h0
+        for k in range(1, depth + 1):
+            module = modules[min(k, len(modules)) - 1]
+            if cascaded:
+                emb = model.mtp_draft_embedding()(seq[:, k:])  # (1, T-k, H)
+                hidden = module(hidden[:, : length - k], emb, cos[:, : length - k], sin[:, : length - k])
+            else:
+                hidden = module(h0, None, cos, sin)
+        logits = model.mtp_depth_logits(min(depth, len(modules)), hidden[:, newest - 1])  # (1, V)
+    return logits[0].topk(count).indices.tolist()
+
+
+def check_drafts_against_reference(model, input_ids, mask, policy, max_new_tokens: int = 24) -> int:
+    """Decode with ``policy``; at every drafting step, every drafted node's children must be the reference's best
+    candidates of their depth (static trees: in rank order; dynamic trees: among the top_k). Returns nodes checked."""
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.speculative import decode, prepare_prompts
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    host = decoding_host(model)
+    drafter = MTPTreeDrafter(model, max(o.depth for o in policy.options if o is not None))
+    steps = []
+    draft = drafter.draft
+
+    def recording(state, tokens, newest, shape, params, generator=None):
+        tree = draft(state, tokens, newest, shape, params, generator)
+        steps.append((tokens.clone(), newest.clone(), shape, tree))
+        return tree
+
+    drafter.draft = recording
+    prompts, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
+    decode(host, drafter, prompts, lengths, GenerationConfig(max_new_tokens=max_new_tokens, speculative=True),
+           policy=policy)
+    checked = 0
+    for tokens, newest, shape, tree in steps:
+        for row in range(tokens.shape[0]):
+            n = int(newest[row])
+            committed = tokens[row, : n + 1]
+            parents, node_tokens = tree.parents[row].tolist(), tree.tokens[row].tolist()
+            for node in range(len(parents)):
+                children = [c for c in range(1, len(parents)) if parents[c] == node]
+                if not children:
+                    continue
+                path, at = [], node
+                while at:
+                    path.append(node_tokens[at])
+                    at = parents[at]
+                depth = len(path) + 1
+                sequence = torch.cat([committed, torch.tensor(path[::-1], dtype=torch.long)])
+                drafted = [node_tokens[c] for c in children]
+                if shape.dynamic:
+                    assert set(drafted) <= set(reference_children(model, sequence, n, depth, shape.top_k))
+                else:
+                    assert drafted == reference_children(model, sequence, n, depth, len(children)), (shape, row, node)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_every_draft_equals_uncached_drafting_across_mixed_steps(models, architecture):
+    """The drafter's caches (linear windows, tree scratch slots, chains at their own positions, modules re-applied
+    beyond D) give every node the children that running the MTP modules uncached over the whole sequence gives."""
+    model = models[architecture]
+    input_ids, mask, _ = ragged_prompts(seed=7)
+    policy = MixedSteps(parallel=architecture == "parallel")
+    assert check_drafts_against_reference(model, input_ids, mask, policy) > 20
+
+
 @pytest.mark.parametrize("tree", [{"draft_tree": [3, 2, 1]}, {"draft_tree": [1, 1, 1, 1]},
                                   {"draft_tree_nodes": 6}, {"speculative": "auto"}],
                          ids=["static-sampled-without-replacement", "chain-beyond-depth",
@@ -132,6 +267,54 @@ def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
         option = policy.next()
     choices = [policy.next() for _ in range(48)]
     assert choices.count(None) >= 45  # plain, but for the periodic probe of the runner-up
+
+
+def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices():
+    from lightning_mtp.decoding.auto import DRAFT_MARGIN, RETIRE_AFTER
+
+    options = [None, TreeShape.chain(1)]
+    expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
+    barely = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)}),
+                        options)
+    assert barely.next() is None  # faster than plain by less than the margin: plain
+    clearly = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)}),
+                         options)
+    assert clearly.next() == TreeShape.chain(1)
+    choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
+    assert choices.count(None) >= RETIRE_AFTER - 3 and barely.retired  # probes of the runner-up aside
+    assert not clearly.retired
+
+
+class RetiringSteps(MixedSteps):
+    """Mixed steps, then retired (the decoding loop must finish plainly on the same caches)."""
+
+    def __init__(self, retire_after: int) -> None:
+        super().__init__()
+        self.retire_after = retire_after
+
+    @property
+    def retired(self) -> bool:
+        return self.steps >= self.retire_after
+
+
+def test_a_retired_policy_finishes_with_plain_steps(models):
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.speculative import decode, prepare_prompts
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    model = models["cascaded"]
+    input_ids, mask, prompts = ragged_prompts(seed=8)
+    expected = [alone(model, p, 40) for p in prompts]
+    host = decoding_host(model)
+    drafter = MTPTreeDrafter(model, 5)
+    prompts_, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
+    calls = []
+    draft = drafter.draft
+    drafter.draft = lambda *args, **kwargs: calls.append(1) or draft(*args, **kwargs)
+    out = decode(host, drafter, prompts_, lengths, GenerationConfig(max_new_tokens=40, speculative=True),
+                 policy=RetiringSteps(retire_after=6))
+    assert rows_of(out) == expected
+    assert len(calls) <= 6 and out.stats.main_forwards > 10  # drafting stopped; plain steps finished the call
 
 
 def test_auto_policy_drafts_deep_when_drafts_are_accepted():

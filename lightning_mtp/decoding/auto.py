@@ -5,15 +5,17 @@ calls, and returns 1 + (expected accepted drafts) tokens per row. Plain decoding
 returns 1. :class:`AutoPolicy` picks, before each step, the option with the most expected tokens per second:
 
 * **costs** are measured: at the first call for a model / batch size / device, a short calibration decodes a random
-  prompt taking every option in turn for three rounds (:class:`RoundRobin`, the median step time per option), then
+  prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), then
   greedy decoding keeps a running average of each option's measured step time;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
 
-Both are kept per model, batch size and device, so later greedy calls start from what earlier calls learned. Every
-option is lossless, so the policy only changes speed: greedy output stays identical to plain decoding and sampling
-keeps the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so
+A drafting option must beat a plain step by ``DRAFT_MARGIN``; after ``RETIRE_AFTER`` plain choices in a row the call
+drops the drafter and finishes with the plain decoding loop, so where drafting does not pay ``auto`` costs (almost)
+nothing. Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier
+calls learned. Every option is lossless, so the policy only changes speed: greedy output stays identical to plain
+decoding and sampling keeps the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so
 there the policy decides from the (cached) calibration and the call's own acceptance only: the same seed gives the
 same samples within a process (across processes the calibration is re-measured; ``speculative=True`` or ``False``
 make samples reproducible everywhere).
@@ -36,6 +38,15 @@ FORGET = 0.98
 """Each step multiplies the acceptance counts by this (older steps count less; about the last 50 matter)."""
 PROBE_EVERY = 24
 """Every this many steps the runner-up option is taken once, so its estimates stay current."""
+DRAFT_MARGIN = 1.05
+"""A drafting option is taken only when its expected tokens per second beat a plain step's by this factor: the
+estimates are noisy, and in a batch the slowest row sets the number of steps, so a marginal gain is not worth it."""
+RETIRE_AFTER = 2 * PROBE_EVERY
+"""After this many consecutive plain choices (two probes of the runner-up among them) the call stops drafting: the
+rest of it runs the plain decoding loop, without the drafter's bookkeeping."""
+CALIBRATION_SAMPLES = 48
+"""Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
+MIN_CALIBRATION_ROUNDS = 4
 
 
 @dataclass
@@ -71,8 +82,11 @@ class AutoPolicy:
     def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]], learn_costs: bool = True) -> None:
         self.memory, self.options, self.learn_costs = memory, options, learn_costs
         self.steps = 0
+        self.plain_run = 0
+        """Consecutive steps the policy chose a plain step (probes aside)."""
         self.last_tried: dict[str, int] = {}
         self.keys = ["plain" if o is None else o.describe() for o in options]
+        self._index = {option: i for i, option in enumerate(options)}
         self._rates: Optional[list[float]] = None  # cached until the next update
 
     def _acceptance(self, depth: int, rank: int) -> float:
@@ -89,9 +103,18 @@ class AutoPolicy:
             return 1.0
         if option.dynamic:
             return self.memory.measured_tau.get(option.describe(), 1.0 + option.depth * PRIOR_ACCEPTANCE)
+        return self._static_tokens(option, {})
+
+    def _static_tokens(self, option: TreeShape, reach_sums: dict[tuple[int, int], float]) -> float:
+        """:meth:`expected_tokens` of a static tree; ``reach_sums`` caches min(1, sum of the first b ranks'
+        acceptance) per (depth, b) across the options of one :meth:`next`."""
         total, reach = 1.0, 1.0
         for depth, branch in enumerate(option.branching, start=1):
-            reach *= min(1.0, sum(self._acceptance(depth, rank) for rank in range(branch)))
+            reached = reach_sums.get((depth, branch))
+            if reached is None:
+                reached = reach_sums[(depth, branch)] = min(
+                    1.0, sum(self._acceptance(depth, rank) for rank in range(branch)))
+            reach *= reached
             total += reach
         return total
 
@@ -102,12 +125,34 @@ class AutoPolicy:
     def rate(self, option: Optional[TreeShape]) -> float:
         return self.expected_tokens(option) / self.seconds(option)
 
+    def _all_rates(self) -> list[float]:
+        """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options)."""
+        reach_sums: dict[tuple[int, int], float] = {}
+        seconds = self.memory.step_seconds
+        rates = []
+        for option, key in zip(self.options, self.keys):
+            if option is None or option.dynamic:
+                tokens = self.expected_tokens(option)
+            else:
+                tokens = self._static_tokens(option, reach_sums)
+            rates.append(tokens / seconds.get(key, float("inf")))
+        return rates
+
+    @property
+    def retired(self) -> bool:
+        """Whether drafting has stopped paying for long enough that the call should decode plainly from now on."""
+        return self.plain_run >= RETIRE_AFTER and self.options[0] is None
+
     def next(self) -> Optional[TreeShape]:
         self.steps += 1
         if self._rates is None:
-            self._rates = [self.rate(o) for o in self.options]
+            self._rates = self._all_rates()
         rates = self._rates
         best = max(range(len(self.options)), key=rates.__getitem__)
+        plain = 0 if self.options[0] is None else None
+        if plain is not None and best != plain and rates[best] < DRAFT_MARGIN * rates[plain]:
+            best = plain
+        self.plain_run = self.plain_run + 1 if best == plain else 0
         if self.steps % PROBE_EVERY == 0:
             # keep the runner-up's estimates current (a slow measurement must not lock an option out)
             runner = max((i for i in range(len(self.options)) if i != best), key=rates.__getitem__, default=best)
@@ -120,8 +165,8 @@ class AutoPolicy:
         """Fold in one step: its wall time, tokens per active row, and (static trees) per depth the counts of
         [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]."""
         memory = self.memory
-        key = "plain" if option is None else option.describe()
-        index = self.keys.index(key) if key in self.keys else None
+        index = self._index.get(option)
+        key = self.keys[index] if index is not None else ("plain" if option is None else option.describe())
         if self.learn_costs:
             old = memory.step_seconds.get(key, seconds)
             memory.step_seconds[key] = decay * old + (1 - decay) * seconds

@@ -179,6 +179,9 @@ def decode(
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
             continue
+        if getattr(policy, "retired", False):  # `auto` found that drafting does not pay: plain steps from here on
+            drafter = None
+            continue
         # the first step's windows cover the whole prompt; later steps have one shape (MTPDrafter.fixed_window)
         step = fused_step if fused_step is not None and state.main_forwards > 1 else speculative_step
         if tree_mode:

@@ -119,9 +119,10 @@ class MTPTreeDrafter:
     # ------------------------------------------------------------------------------------------- one depth
     def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor, cand: _Candidates,
                    node_index: Tensor, node_hidden: Optional[Tensor],
-                   static_anc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                   static_anc: Optional[Tensor] = None, chain: bool = False) -> tuple[Tensor, Tensor]:
         """Run depth k over its linear window and the tree nodes ``node_index`` (B, M) (global indices, depths
-        1..k-1, breadth-first). Returns (root output (B, H), node outputs (B, M, H))."""
+        1..k-1, breadth-first). Returns (root output (B, H), node outputs (B, M, H)). ``chain``: the nodes are a
+        chain, so the call is causal over consecutive positions (no tree mask)."""
         rows = state.rows
         module = self.modules[self._module_index(k)]
         shift = k if self.cascaded else 1
@@ -146,13 +147,18 @@ class MTPTreeDrafter:
             h_in = torch.cat([h_in, node_hidden[rows, parents]], dim=1)  # h_(k-1) at each node's parent
             emb = torch.cat([emb, self.embed(node_tokens)], dim=1)
             positions = torch.cat([linear, linear_end.unsqueeze(1) + node_depths], dim=1)
-            slots = torch.cat([linear, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
-            if static_anc is not None:  # static trees: this depth's nodes are 1..M, their table is precomputed
-                anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(newest.shape[0], size, size)
-            else:  # ancestors among this depth's nodes: the global table restricted to node_index
-                anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
-                anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))  # (B, M, M)
-            mask = tree_attention_mask(linear_end, newest, anc, state.caches[k - 1].max_len, linear)
+            if chain:
+                # consecutive positions, causal (mask None): the nodes are written at their own positions, which lie
+                # beyond the linear end of every later step, so they are rewritten before anything reads them
+                slots = positions
+            else:
+                slots = torch.cat([linear, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
+                if static_anc is not None:  # static trees: this depth's nodes are 1..M, their table is precomputed
+                    anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(newest.shape[0], size, size)
+                else:  # ancestors among this depth's nodes: the global table restricted to node_index
+                    anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
+                    anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))
+                mask = tree_attention_mask(linear_end, newest, anc, state.caches[k - 1].max_len, linear)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, state.caches[k - 1], mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:
@@ -206,7 +212,7 @@ class MTPTreeDrafter:
         state.ran = 0
         for k in range(1, shape.depth + 1):
             root_out, node_out = self._run_depth(state, k, tokens, newest, cand, module_nodes, node_hidden,
-                                                 static_anc)
+                                                 static_anc, shape.is_chain)
             state.ran = k
             size = cand.tokens.shape[1]
             if self.cascaded and static_anc is not None:  # nodes 1..M ran, in order; the frontier is their tail

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from lightning_mtp.decoding.auto import (
     CALIBRATION_ROWS,
+    CALIBRATION_SAMPLES,
+    MIN_CALIBRATION_ROUNDS,
     AutoMemory,
     AutoPolicy,
     RoundRobin,
@@ -58,6 +60,11 @@ class AutoSteps:
     def needs_calibration(self) -> bool:
         return not self.policy.memory.step_seconds
 
+    @property
+    def retired(self) -> bool:
+        """The decoding loop drops the drafter (plain steps only) once the policy retires drafting."""
+        return self.calibration is None and self.policy.retired
+
     def _as_step(self, option: Optional[TreeShape]) -> Any:
         if self.tree_mode:
             return option
@@ -95,16 +102,17 @@ class AutoSteps:
 
 def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: int, batch: int, context: int,
                     device: torch.device) -> None:
-    """Time every option on this machine and model: decode a random prompt taking the options in turn (three
-    rounds, the first one discarded) and keep each option's median step time in the policy's memory.
+    """Time every option on this machine and model: decode a random prompt taking the options in turn (a warm-up
+    round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``) and keep
+    each option's median step time in the policy's memory.
 
     ``run(prompts, max_new_tokens)`` decodes with ``steps`` as the policy (the call's greedy or sampling settings,
     its own generator).
     """
     options = steps.policy.options
-    rounds = 3
+    rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
     prompt_len = max(1, min(32, context // 4))
-    new_tokens = max(1, min(2 * rounds * len(options), context - prompt_len))
+    new_tokens = max(1, min(3 * rounds * len(options) // 2, context - prompt_len))  # >= 1 token per step
     generator = torch.Generator(device=device).manual_seed(0)
     prompts = torch.randint(0, vocab, (min(batch, CALIBRATION_ROWS), prompt_len), device=device, generator=generator)
     steps.calibration = RoundRobin(options, rounds)

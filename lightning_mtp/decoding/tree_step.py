@@ -45,13 +45,23 @@ def accept_tree(tree: DraftTree, logits: Tensor, config: GenerationConfig, depth
         return verify_tree(tree.tokens, tree.parents, tree.depths, logits, mode="greedy", max_depth=depth,
                            anc=tree.anc)
     probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, T, V) = p
-    if tree.probs is not None and tree.tokens.shape[1] == depth + 1:  # a chain: plain speculative sampling
-        verdict = verify_drafts(tree.tokens[:, 1:], probs, tree.probs[:, :depth], mode="sampling", generator=generator)
-        path = torch.arange(depth + 1, device=probs.device).expand(probs.shape[0], -1)
-        path = torch.minimum(path, verdict.num_accepted.unsqueeze(1))  # past the accepted prefix: its last node
-        return TreeVerifyOutput(verdict.num_accepted, path, verdict.output_tokens)
     return verify_tree(tree.tokens, tree.parents, tree.depths, probs, tree.probs, mode="sampling", max_depth=depth,
                        generator=generator, anc=tree.anc)
+
+
+def accept_chain(chain: DraftTree, logits: Tensor, config: GenerationConfig,
+                 generator: Optional[torch.Generator]) -> TreeVerifyOutput:
+    """A chain's verdict by ordinary speculative decoding (greedy: the longest prefix equal to the argmaxes;
+    sampling: speculative rejection sampling), as a tree verdict whose path is the accepted prefix."""
+    drafts = chain.tokens[:, 1:]  # (B, k)
+    if config.sampling:
+        probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, k+1, V) = p
+        verdict = verify_drafts(drafts, probs, chain.probs[:, :-1], mode="sampling", generator=generator)
+    else:
+        verdict = verify_drafts(drafts, logits, mode="greedy")
+    path = torch.arange(drafts.shape[1] + 1, device=logits.device).expand(logits.shape[0], -1)
+    path = torch.minimum(path, verdict.num_accepted.unsqueeze(1))  # past the accepted prefix: its last node
+    return TreeVerifyOutput(verdict.num_accepted, path, verdict.output_tokens)
 
 
 def tree_step(
@@ -87,10 +97,15 @@ def tree_step(
     else:
         depth = option.depth
         tree = drafter.draft(draft_state, state.tokens, newest, option, draft_params, generator)
-        hidden = verify_tree_forward(host, cache, state, tree, depth)  # (B, T, H)
-        verdict = accept_tree(tree, host.main_logits(hidden), config, depth, generator)
         steps = torch.arange(depth + 1, device=newest.device)
-        host.keep_path(cache, newest.unsqueeze(1) + verdict.path, newest.unsqueeze(1) + steps)
+        if option.is_chain:  # a chain is causal: the ordinary verify forward, its accepted prefix already in place
+            hidden = host.forward(tree.tokens.clamp_min(0), newest.unsqueeze(1) + steps, cache)  # (B, k+1, H)
+            state.main_forwards += 1
+            verdict = accept_chain(tree, host.main_logits(hidden), config, generator)
+        else:
+            hidden = verify_tree_forward(host, cache, state, tree, depth)  # (B, T, H)
+            verdict = accept_tree(tree, host.main_logits(hidden), config, depth, generator)
+            host.keep_path(cache, newest.unsqueeze(1) + verdict.path, newest.unsqueeze(1) + steps)
         drafter.observe(draft_state, hidden[rows, verdict.path], newest.unsqueeze(1) + steps)
         drafted = torch.zeros(newest.shape[0], depth, dtype=torch.long, device=newest.device)
         accepted = record_acceptance(state, drafted, verdict.num_accepted, active)
