@@ -123,6 +123,21 @@ def visible_slots(positions: Tensor, max_len: int) -> Tensor:
     return slots.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
 
 
+ATTENTION_WIDTH_STEP = 32
+"""Cached attention reads the cache up to the last slot in use, rounded up to a multiple of this."""
+
+
+def attention_width(last_slot: Tensor, max_len: int) -> int:
+    """How many leading cache slots a cached forward attends over: every slot up to ``last_slot`` (the highest slot
+    a query sees, any shape), rounded up to a multiple of ``ATTENTION_WIDTH_STEP``; the whole cache under
+    ``torch.compile`` (one shape per graph). Attention over a decoding cache costs in proportion to its length, and
+    the slots beyond the last one in use are masked anyway: reading only the used part changes no result."""
+    if torch.compiler.is_compiling():
+        return max_len
+    step = ATTENTION_WIDTH_STEP
+    return min(max_len, (int(last_slot.max()) // step + 1) * step)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings."""
 
@@ -146,7 +161,8 @@ class Attention(nn.Module):
         cache: Optional[KVCache] = None,
         mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """``mask``: :func:`visible_slots` of ``positions`` (computed here when not given)."""
+        """``mask``: :func:`visible_slots` of ``positions`` (computed here when not given) over the first W cache slots
+        (W = :func:`attention_width`; the attention reads only those)."""
         B, T, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).split([(nh + nkv) * hd, nkv * hd], dim=-1)
@@ -161,7 +177,9 @@ class Attention(nn.Module):
         else:
             k_all, v_all = cache.write(positions, k, v)  # (B, S, nkv, hd)
             if mask is None:
-                mask = visible_slots(positions, cache.max_len)  # (B, 1, T, S)
+                mask = visible_slots(positions, attention_width(positions, cache.max_len))  # (B, 1, T, W)
+            width = mask.shape[-1]  # the mask covers the slots in use: attend over those only
+            k_all, v_all = k_all[:, :width], v_all[:, :width]  # (B, W, nkv, hd)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
             )

@@ -61,16 +61,26 @@ def test_visible_slots_is_causal_per_row():
     assert mask[1, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
 
 
+def test_attention_width_covers_the_last_slot_in_use_rounded_up():
+    from lightning_mtp.layers import ATTENTION_WIDTH_STEP, attention_width
+
+    step = ATTENTION_WIDTH_STEP
+    assert attention_width(torch.tensor([[3, step]]), 10 * step) == 2 * step  # slot `step` is the (step+1)-th
+    assert attention_width(torch.tensor([step - 1]), 10 * step) == step
+    assert attention_width(torch.tensor([[5 * step]]), 3 * step) == 3 * step  # never past the cache
+
+
 @pytest.mark.parametrize("n_kv_heads", [None, 2])
 def test_cached_decoding_forward_equals_the_full_causal_forward(n_kv_heads):
     """Prefill, then ragged chunks of 1-4 tokens per row through the static cache, with stale entries of random
     tokens beyond each row's position (as rejected drafts leave them): every position's hidden state equals the
-    plain causal forward's."""
+    plain causal forward's. The cache (40 slots) is longer than the attended width (32 up to position 31,
+    :func:`attention_width`), so both the bounded and the whole-cache reads are exercised."""
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
                                  max_seq_len=64)).eval()
     model.configure_model()
-    tokens = torch.randint(0, 64, (2, 24))
+    tokens = torch.randint(0, 64, (2, 40))
     with torch.inference_mode():
         full = model(tokens)  # (B, T, H)
         caches = model.allocate_kv_caches(2, 40)
@@ -80,7 +90,7 @@ def test_cached_decoding_forward_equals_the_full_causal_forward(n_kv_heads):
         model(tokens[:, :width], positions, caches)  # row 0 also writes slots 5..7, stale garbage for it
         start = prefill.clone()
         chunks = [1, 4, 2, 3, 1, 4]
-        while int(start.max()) < 20:
+        while int(start.max()) < 34:
             size = chunks[int(start.sum()) % len(chunks)]
             # rejected drafts of an earlier step: random tokens written at the next 6 slots, partly left stale
             stale = start.unsqueeze(1) + torch.arange(6)

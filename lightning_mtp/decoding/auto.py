@@ -15,10 +15,10 @@ A drafting option must beat a plain step by ``DRAFT_MARGIN``; after ``RETIRE_AFT
 drops the drafter and finishes with the plain decoding loop, so where drafting does not pay ``auto`` costs (almost)
 nothing. Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier
 calls learned. Every option is lossless, so the policy only changes speed: greedy output stays identical to plain
-decoding and sampling keeps the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so
-there the policy decides from the (cached) calibration and the call's own acceptance only: the same seed gives the
-same samples within a process (across processes the calibration is re-measured; ``speculative=True`` or ``False``
-make samples reproducible everywhere).
+decoding and sampling keeps the model's distribution. With sampling, which draft a step makes decides which random
+numbers it consumes, so there the policy decides from the (cached) calibration and the call's own acceptance only:
+the same seed gives the same samples within a process (across processes the calibration is re-measured;
+``speculative=True`` or ``False`` make samples reproducible everywhere).
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ class DraftTree(NamedTuple):
 
 def tree_attention_mask(prefix_end: Tensor, first_slot: Tensor, anc: Tensor, cache_len: int,
                         linear_positions: Optional[Tensor] = None) -> Tensor:
-    """(B, 1, W + T, S) bool mask of a forward over ``W`` linear positions followed by ``T`` tree nodes.
+    """(B, 1, W + T, S) bool mask of a forward over ``W`` linear positions followed by ``T`` tree nodes, over the
+    first ``S = cache_len`` cache slots (at least every slot in use: :func:`~lightning_mtp.layers.attention_width`).
 
     Linear queries (``linear_positions`` (B, W)) see slots ``0..position`` (causal). Tree node i sees the slots
     ``<= prefix_end`` (B,) and the slots ``first_slot + j`` (``first_slot`` (B,)) of its ancestors-or-self j in

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from lightning_mtp.decoding.drafting import drafter_buffers
 from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
 from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, static_layout, tree_attention_mask
-from lightning_mtp.layers import KVCache
+from lightning_mtp.layers import KVCache, attention_width
 
 
 @dataclass
@@ -158,7 +158,8 @@ class MTPTreeDrafter:
                 else:  # ancestors among this depth's nodes: the global table restricted to node_index
                     anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
                     anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))
-                mask = tree_attention_mask(linear_end, newest, anc, state.caches[k - 1].max_len, linear)
+                used = attention_width(newest + (size - 1), state.caches[k - 1].max_len)  # slots in use, rounded
+                mask = tree_attention_mask(linear_end, newest, anc, used, linear)  # (B, 1, W + M, used)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, state.caches[k - 1], mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:

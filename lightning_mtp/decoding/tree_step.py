@@ -23,6 +23,7 @@ from lightning_mtp.decoding.tree import MAX_RANK, DraftTree, TreeShape, ancestor
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
 from lightning_mtp.kernels import verify_drafts, verify_tree
 from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput
+from lightning_mtp.layers import attention_width
 
 
 def verify_tree_forward(host: TreeHost, cache: Any, state: DecodeState, tree: DraftTree, depth: int) -> Tensor:
@@ -32,7 +33,8 @@ def verify_tree_forward(host: TreeHost, cache: Any, state: DecodeState, tree: Dr
     positions = newest.unsqueeze(1) + tree.depths  # (B, T)
     slots = newest.unsqueeze(1) + torch.arange(size, device=newest.device)  # (B, T)
     anc = tree.anc.expand(newest.shape[0], size, size) if tree.anc is not None else ancestors(tree.parents, depth)
-    mask = tree_attention_mask(newest - 1, newest, anc, state.cache_len)  # (B, 1, T, S)
+    width = attention_width(newest + (size - 1), state.cache_len)  # the slots in use, the tree's included
+    mask = tree_attention_mask(newest - 1, newest, anc, width)  # (B, 1, T, W)
     hidden = host.forward_tree(tree.tokens.clamp_min(0), positions, slots, mask, cache)
     state.main_forwards += 1
     return hidden

@@ -28,7 +28,16 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH
-from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm, RotaryTable, mlp_hidden_size, visible_slots
+from lightning_mtp.layers import (
+    Block,
+    KVCache,
+    Linear,
+    RMSNorm,
+    RotaryTable,
+    attention_width,
+    mlp_hidden_size,
+    visible_slots,
+)
 from lightning_mtp.mixin import MTPMixin, check_block_spec
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
@@ -205,7 +214,8 @@ class CausalLM(MTPMixin, L.LightningModule):
         Training: ``positions`` and ``caches`` are ``None`` (causal attention over the sequence). Decoding:
         ``positions`` (B, T) are each token's position (rotary embedding, and by default its cache slot), ``caches``
         one :class:`KVCache` per layer. Tree verification writes the tokens at other cache ``slots`` (B, T) and passes
-        the ``mask`` (B, 1, T, S) of the slots each token sees (its ancestors; :mod:`lightning_mtp.decoding.tree`).
+        the ``mask`` (B, 1, T, W) of the slots each token sees among the first W (its ancestors;
+        :mod:`lightning_mtp.decoding.tree`); attention reads those W slots only (:func:`attention_width`).
         """
         self._ensure_built()
         # Cached decoding validates its prompts once (decoding.generate) and feeds back only the model's own tokens,
@@ -219,7 +229,7 @@ class CausalLM(MTPMixin, L.LightningModule):
             )
         cos, sin = self.rope(input_ids.shape[1], positions)
         if caches is not None and mask is None:
-            mask = visible_slots(positions, caches[0].max_len)  # (B, 1, T, S), all layers
+            mask = visible_slots(positions, attention_width(positions, caches[0].max_len))  # (B, 1, T, W), all layers
         slots = positions if slots is None else slots
         x = self.embed(input_ids)  # (B, T, H)
         for i, layer in enumerate(self.layers):
