@@ -6,6 +6,7 @@ Example::
     lightning-mtp fit --config configs/mtp.yaml --model.init_args.mtp.depth 2
     lightning-mtp predict --config predict --ckpt_path outputs/quickstart/checkpoints/last.ckpt
     lightning-mtp fit --model.help CausalLM                # every init argument, MTPConfig's fields included
+    lightning-mtp export --ckpt_path last.ckpt --out DIR   # native MTP layers -> a transformers folder (cli_export)
 
 ``--config NAME`` takes a file, or, when no file of that name exists, a config bundled with the package (the
 repository's ``configs/``, shipped in the wheel as ``lightning_mtp/configs``). Our classes go by their short names
@@ -39,6 +40,7 @@ import lightning_mtp.data  # noqa: F401
 import lightning_mtp.decoding  # noqa: F401
 import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
+from lightning_mtp import cli_export
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
@@ -199,6 +201,15 @@ def _qualified(class_path: str) -> str:
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+    if argv[:1] == ["export"]:  # not a Trainer subcommand: checkpoint -> transformers folder (cli_export)
+        try:
+            return cli_export.main(argv[1:])
+        except Exception as error:
+            message = user_error(error)
+            if message is None or os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+                raise
+            fail(message)
     document_fields()
     try:
         MTPLightningCLI(

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 ARCHITECTURES = ("cascaded", "parallel")
+LAYOUTS = ("lightning", "native")
 
 
 def _fail(field: str, message: str) -> ValueError:
@@ -79,6 +80,16 @@ class MTPConfig:
     ignore_index: int = -100
     """Target id that is never scored (padding)."""
 
+    layout: Optional[Literal["lightning", "native"]] = None
+    """Which MTP semantics the cascaded modules follow. ``"lightning"``: our own blocks (``heads.CascadedMTPModule``),
+    pre-norm chaining. ``"native"``: the layout of models released with MTP layers (DeepSeek-V3, GLM-4.5; what
+    ``transformers``' ``generate(use_mtp=True)`` runs): the host's own decoder-layer class as the block (mixture of
+    experts included), depth 1 reads the trunk's state after its final norm, depth k+1 reads depth k's output after its
+    ``post_norm``, and RoPE sits at the position of the consumed token (:mod:`lightning_mtp.native`). Such modules
+    load from and export to ``transformers`` folders. ``None``: the host decides -- ``HFCausalLM`` picks
+    ``"native"`` for model families that have native MTP layers (their config has ``num_nextn_predict_layers``),
+    every other host ``"lightning"``."""
+
     def __post_init__(self) -> None:
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
             raise _fail("depth", f"must be >= 1, got {self.depth!r}")
@@ -99,6 +110,28 @@ class MTPConfig:
             raise _fail("mlp_ratio", f"must be > 0, got {self.mlp_ratio!r}")
         if not self.distill_weight >= 0:
             raise _fail("distill_weight", f"must be >= 0, got {self.distill_weight!r}")
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise _fail("layout", f"must be one of {LAYOUTS} (or unset: the host decides), got {self.layout!r}")
+        if self.layout == "native":
+            self.check_native()
+
+    def check_native(self) -> None:
+        """Refuse settings the native layout cannot have (its modules are the checkpoint's: cascaded, sharing the
+        host's embedding and head, blocks shaped like the host's own layers, no recomputed backward)."""
+        why = {
+            "architecture": self.architecture != "cascaded",
+            "share_embedding": not self.share_embedding,
+            "share_output_head": not self.share_output_head,
+            "recompute": self.recompute,
+            "num_heads": self.num_heads is not None,
+            "mlp_ratio": self.mlp_ratio is not None,
+        }
+        bad = [name for name, wrong in why.items() if wrong]
+        if bad:
+            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise _fail("layout", f"= 'native' (native MTP layers: cascaded, the host's own embedding, head and "
+                                  f"decoder-layer shape) cannot be combined with {settings}: leave them at their "
+                                  "defaults, or use --model.mtp.layout lightning")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -21,14 +21,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mtp"
 LAYERS = [
     ("lightning_mtp.config", "lightning_mtp.layers", "lightning_mtp.kernels", "lightning_mtp.zero",
      "lightning_mtp.data", "lightning_mtp.metrics", "lightning_mtp.checkpointing", "lightning_mtp.flops"),
-    ("lightning_mtp.heads",),
+    ("lightning_mtp.heads", "lightning_mtp.native"),
     ("lightning_mtp.loss", "lightning_mtp.outputs", "lightning_mtp.head_calls", "lightning_mtp.distillation"),
     ("lightning_mtp.decoding",),
     ("lightning_mtp.mixin",),
     ("lightning_mtp.callbacks", "lightning_mtp.strategies", "lightning_mtp.optim"),
     ("lightning_mtp.models",),
     ("lightning_mtp.cli", "lightning_mtp.cli_checkpoint", "lightning_mtp.cli_configs", "lightning_mtp.cli_errors",
-     "lightning_mtp.cli_help"),
+     "lightning_mtp.cli_help", "lightning_mtp.cli_export"),
 ]
 
 

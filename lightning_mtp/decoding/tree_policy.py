@@ -27,8 +27,8 @@ from lightning_mtp.decoding.auto import (
     memory_for,
 )
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.decoding.drafting import MTPDrafter
 from lightning_mtp.decoding.host import supports_trees
+from lightning_mtp.decoding.native_drafting import chain_drafter
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, MAX_RANK, TreeShape
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
 
@@ -131,11 +131,11 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     modules = module.require_mtp_modules()
     depth = len(modules)
     cascaded = module.mtp_config.architecture == "cascaded"
-    trees = supports_trees(host)
+    trees = supports_trees(host) and module.mtp_config.layout != "native"  # native blocks draft chains only
     if config.speculative is True:
         shape = config.tree_shape(depth)
         if shape is None:
-            return MTPDrafter(module), None
+            return chain_drafter(module), None
         if not trees:
             raise ValueError(
                 f"{type(host).__name__} cannot verify draft trees or chains longer than the MTP depth D={depth} "
@@ -148,7 +148,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
             why = "DeepSpeed ZeRO-3 on several processes" if sync_ranks else ", ".join(config.chain_options())
             raise ValueError(f"draft_tokens={config.draft_tokens} > D={depth} (a chain through re-applied modules) "
                              f"cannot be combined with {why}; use draft_tokens <= {depth}")
-        return MTPDrafter(module), None
+        return chain_drafter(module), None
     requested = config.tree_shape(depth)
     if requested is not None and not trees:
         raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
@@ -180,4 +180,4 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         drafter = MTPTreeDrafter(module, max_depth)
         drafter.report_ranks = True
         return drafter, AutoSteps(policy, max_depth, tree_mode=True)
-    return MTPDrafter(module), AutoSteps(policy, max_depth, tree_mode=False)
+    return chain_drafter(module), AutoSteps(policy, max_depth, tree_mode=False)

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from lightning_mtp.heads import build_mtp_modules
 from lightning_mtp.layers import Linear, RotaryTable
 from lightning_mtp.metrics import MTPMetrics
+from lightning_mtp.native.module import NativeRotaryPlaceholder
 
 
 class MTPConstruction:
@@ -18,24 +19,29 @@ class MTPConstruction:
         super().configure_model()
         if self.mtp_modules is not None:
             return
-        spec = check_block_spec(self.mtp_block_spec(), type(self).__name__)
         cfg = self.mtp_config
-        self.mtp_modules = build_mtp_modules(
-            cfg.architecture, cfg.depth, spec["dim"], spec["n_heads"], spec["n_kv_heads"], spec["mlp_hidden"],
-            spec["eps"],
-        )
+        embed = self.mtp_token_embedding()
+        dim = embed.embedding_dim  # the native modules' width: the trunk's hidden size
+        if cfg.layout == "native":
+            self._build_native_modules()
+        else:
+            spec = check_block_spec(self.mtp_block_spec(), type(self).__name__)
+            self.mtp_modules = build_mtp_modules(
+                cfg.architecture, cfg.depth, spec["dim"], spec["n_heads"], spec["n_kv_heads"], spec["mlp_hidden"],
+                spec["eps"],
+            )
+            self.mtp_rope = RotaryTable(spec["max_positions"], spec["dim"] // spec["n_heads"])
+            dim = spec["dim"]
         if not cfg.share_output_head:
             self.mtp_output_heads = nn.ModuleList(
-                Linear(spec["dim"], self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
+                Linear(dim, self.mtp_vocab_size(), bias=False) for _ in range(cfg.depth)
             )
-        embed = self.mtp_token_embedding()
         if not cfg.share_embedding and cfg.architecture == "cascaded":
             # The cascaded modules' own embedding, starting from the trunk's values (when they are readable).
             self.mtp_embedding = nn.Embedding(embed.num_embeddings, embed.embedding_dim)
             if not hasattr(embed.weight, "ds_id"):
                 with torch.no_grad():
                     self.mtp_embedding.weight.copy_(embed.weight)
-        self.mtp_rope = RotaryTable(spec["max_positions"], spec["dim"] // spec["n_heads"])
         self.mtp_metrics = MTPMetrics(cfg.depth, self.mtp_vocab_size(), cfg.ignore_index)
         device = embed.weight.device if embed.weight.device.type != "meta" else None
         if device is not None:
@@ -43,6 +49,19 @@ class MTPConstruction:
                          getattr(self, "mtp_embedding", None)):
                 if part is not None:
                     part.to(device)
+
+    def _build_native_modules(self) -> None:
+        """``MTPConfig.layout="native"``: the host builds the modules (``mtp_native_modules()``: its own decoder-layer
+        class as the block, :mod:`lightning_mtp.native`); RoPE is the host's, applied inside each module."""
+        builder = getattr(self, "mtp_native_modules", None)
+        if builder is None:
+            raise ValueError(
+                f"MTPConfig.layout (--model.mtp.layout) = 'native' needs a host with native MTP layers (HFCausalLM on "
+                f"a transformers family with num_nextn_predict_layers, e.g. glm4_moe, deepseek_v3); "
+                f"{type(self).__name__} has none: use --model.mtp.layout lightning"
+            )
+        self.mtp_modules = builder()
+        self.mtp_rope = NativeRotaryPlaceholder()
 
     def mtp_draft_embedding(self) -> nn.Embedding:
         """Embedding of the cascaded modules' input tokens: the host's own unless ``share_embedding=False``."""

@@ -28,6 +28,12 @@ Example::
     >>> model.compute_lm_loss(torch.randint(0, 64, (2, 16))).depth_losses.shape
     torch.Size([2])
 
+Native MTP layers (issue #14): for families released with MTP layers (a config with ``num_nextn_predict_layers``:
+glm4_moe, deepseek_v3) ``MTPConfig.layout`` defaults to ``"native"`` -- the MTP blocks are the model's own decoder
+layers with the checkpoints' semantics (:mod:`lightning_mtp.native`). ``HFCausalLM(pretrained=DIR)`` then imports the
+folder's MTP layers (``mtp_native_report`` says which), depths beyond them start fresh, and
+:meth:`HFCausalLM.save_pretrained` writes a folder that ``transformers``' ``generate(use_mtp=True)`` decodes with.
+
 Retrofit (Medusa-1 style): ``HFCausalLM(pretrained="path/to/dir", freeze_trunk=True)`` freezes the trunk, detaches
 the MTP loss from it, trains only the heads, and its checkpoints (and :meth:`HFCausalLM.save_mtp_heads`) hold only the
 MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` restores them.
@@ -43,6 +49,7 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_mtp import checkpointing
@@ -52,6 +59,10 @@ from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.layers import mlp_hidden_size
 from lightning_mtp.loss import LogitTransform
 from lightning_mtp.mixin import MTPMixin, check_block_spec
+from lightning_mtp.native import build_native_modules, keep_fp32
+from lightning_mtp.native.checkpoint import NativeImportReport, import_native_layers, refuse_other_layout
+from lightning_mtp.native.export import export_native
+from lightning_mtp.native.family import resolve_layout
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 TRUNK_PREFIX = "trunk."
@@ -183,7 +194,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     Args:
         model_type: ``transformers`` model type (``"llama"``, ``"qwen2"``, ``"gpt2"``, ...) for a fresh trunk.
         config: keyword arguments of that model type's config (may also carry ``model_type``).
-        pretrained: a local directory written by ``save_pretrained``; the trunk's weights come from it.
+        pretrained: a local directory written by ``save_pretrained``; the trunk's weights come from it, and with
+            ``mtp.layout="native"`` the MTP layers it holds (``model.layers.{N+k}.*``) too.
         mtp: the MTP heads and loss.
         freeze_trunk: train only the MTP modules (retrofit): the trunk's parameters (shared embedding and head
             included) get no gradient, the trunk stays in eval mode, ``mtp.detach_trunk`` is forced on, and
@@ -218,14 +230,18 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         mtp = MTPConfig(**mtp) if isinstance(mtp, dict) else (mtp or MTPConfig())
         if freeze_trunk and not mtp.detach_trunk:
             mtp = dataclasses.replace(mtp, detach_trunk=True)  # a frozen trunk must not receive the MTP gradient
-        super().__init__(mtp=mtp)
         check_optimizer_args(learning_rate, weight_decay, warmup_steps)
         if trunk is None:
             trunk = build_trunk(model_type, config, pretrained, attn_implementation)
         check_trunk(trunk)
+        mtp = resolve_layout(mtp, trunk)  # native for families released with MTP layers, unless asked otherwise
+        super().__init__(mtp=mtp)
         self._logit_transform = logit_transform_of(trunk)  # refuses logit transforms we cannot reproduce
         self.trunk = trunk
-        check_block_spec(self.mtp_block_spec(), type(self).__name__)  # before training, naming the flag
+        self.pretrained = pretrained
+        self.mtp_native_report: Optional[NativeImportReport] = None
+        if self.mtp_config.layout != "native":
+            check_block_spec(self.mtp_block_spec(), type(self).__name__)  # before training, naming the flag
         self.freeze_trunk = freeze_trunk
         self.save_trunk = (not freeze_trunk) if save_trunk is None else save_trunk
         self.mtp_heads = mtp_heads
@@ -261,6 +277,11 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             self.mtp_modules.to(dtype)
             if self.mtp_output_heads is not None:
                 self.mtp_output_heads.to(dtype)
+            if self.mtp_config.layout == "native":
+                keep_fp32(self.trunk, self.mtp_modules)  # the MoE router stays in fp32, as in the trunk
+                if self.pretrained is not None:
+                    self.mtp_native_report = import_native_layers(self.mtp_modules, self.trunk, self.pretrained)
+                    rank_zero_info(self.mtp_native_report.summary())
             if self.mtp_heads:
                 self.mtp_load_report = self.load_mtp_heads(self.mtp_heads)
 
@@ -269,6 +290,19 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         if self.freeze_trunk:
             self.trunk.eval()  # no dropout in a frozen trunk: the heads learn its inference-time states
         return self
+
+    def mtp_native_modules(self) -> nn.ModuleList:
+        """``MTPConfig.layout="native"``: D native MTP layers built from the trunk's own decoder-layer class."""
+        return build_native_modules(self.trunk, self.mtp_config.depth)
+
+    def save_pretrained(self, folder: str, **save_kwargs: Any) -> str:
+        """Write a ``transformers`` folder: the trunk, its config with ``num_nextn_predict_layers`` = D, and the MTP
+        layers under ``model.layers.{N+k}.*`` -- loadable with ``AutoModelForCausalLM.from_pretrained`` and decoded
+        by ``generate(use_mtp=True)`` (:func:`lightning_mtp.native.export.export_native`, which explains the layer
+        count caveat). Only native-layout modules can be written so. ``save_kwargs`` go to the trunk's own
+        ``save_pretrained`` (``max_shard_size``, ...). Returns ``folder``."""
+        export_native(self, folder, **save_kwargs)
+        return folder
 
     # ----------------------------------------------------------------- what MTPMixin needs
     def mtp_token_embedding(self) -> nn.Embedding:
@@ -356,6 +390,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         self._check_trunk_summary(checkpoint, path)
+        refuse_other_layout(self.mtp_config.layout, checkpoint, path)
         state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if not k.startswith(TRUNK_PREFIX)}
         checkpoint = {**checkpoint, "state_dict": state}
         report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=False)
@@ -382,6 +417,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             checkpoint["trunk"] = _trunk_summary(self.trunk)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        refuse_other_layout(self.mtp_config.layout, checkpoint, "the checkpoint")
         if checkpoint.get(HEADS_ONLY_KEY) and "state_dict" in checkpoint:
             # The trunk comes from `pretrained`; fill its keys so that Lightning's strict load succeeds.
             self._check_trunk_summary(checkpoint, "the checkpoint")

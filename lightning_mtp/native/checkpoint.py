@@ -1,0 +1,165 @@
+"""Native MTP layers in ``transformers`` checkpoints: their keys, and importing them into our modules.
+
+MTP layer k (0-based) of a model with N main layers sits under ``model.layers.{N+k}.``: ``enorm.weight``,
+``hnorm.weight``, ``eh_proj.weight`` [H, 2H], ``shared_head.norm.weight`` (our ``post_norm``) and the decoder block's
+own keys (``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``; for mixture-of-experts
+blocks the router's ``mlp.gate.e_score_correction_bias`` too). ``shared_head.head`` and ``embed_tokens`` are ignored:
+the main model's head and embedding serve every depth.
+
+On disk a block's keys are those ``save_pretrained`` writes, which are not always the module's own (glm4_moe and
+deepseek_v3 store each expert's ``gate_proj``/``up_proj``/``down_proj``, their modules hold fused ``gate_up_proj``
+tensors): :func:`disk_state` goes from module names to disk names with ``transformers``' own reverse conversion, and
+the import reads the tensors through ``transformers``' ``MtpModel.from_pretrained`` (its forward conversion), so what
+we load is exactly what ``generate(use_mtp=True)`` would run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import Tensor, nn
+
+from lightning_mtp.native.family import checkpoint_prefix, native_layer_count
+from lightning_mtp.native.transformers_mtp import checkpoint_files, register_mtp_patterns, tensor_shapes
+
+OWN_KEYS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "post_norm.weight": "shared_head.norm.weight"}
+"""Our module's keys outside the block -> the checkpoint's names (under the layer's prefix)."""
+
+IGNORED_SUFFIXES = ("shared_head.head.weight", "embed_tokens.weight")
+"""Per-layer copies of the main model's head and embedding that some checkpoints carry: never read."""
+
+
+@dataclass
+class NativeImportReport:
+    """What :func:`import_native_layers` loaded (``HFCausalLM.mtp_native_report``)."""
+
+    folder: str
+    checkpoint_layers: int
+    """MTP layers the folder holds (its config's ``num_nextn_predict_layers``)."""
+    loaded: dict[int, list[str]] = field(default_factory=dict)
+    """Depth (1-based) -> the checkpoint keys loaded into it."""
+    fresh: list[int] = field(default_factory=list)
+    """Depths freshly initialised (``MTPConfig.depth`` beyond the folder's layers)."""
+    ignored: list[str] = field(default_factory=list)
+    """Checkpoint keys under the MTP layers' prefixes that were not read (shared head / embedding copies)."""
+
+    def summary(self) -> str:
+        keys = sum(len(v) for v in self.loaded.values())
+        text = (f"native MTP layers from {self.folder}: depths {sorted(self.loaded)} loaded ({keys} tensors) of the "
+                f"{self.checkpoint_layers} in the folder")
+        if self.fresh:
+            text += f"; depths {self.fresh} freshly initialised"
+        if self.ignored:
+            more = ", ..." if len(self.ignored) > 3 else ""
+            text += f"; ignored {len(self.ignored)} keys ({', '.join(self.ignored[:3])}{more})"
+        return text
+
+
+def module_state(module: nn.Module, trunk_layers: int, index: int) -> dict[str, Tensor]:
+    """One native module's tensors under checkpoint names (module-side names inside the block: not yet reverted)."""
+    prefix = checkpoint_prefix(trunk_layers, index)
+    state = {prefix + key: tensor for key, tensor in module.block.state_dict().items()}
+    for own, name in OWN_KEYS.items():
+        state[prefix + name] = module.state_dict()[own]
+    return state
+
+
+def disk_state(trunk: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Checkpoint-named module tensors -> what ``save_pretrained`` would write for them (``transformers``'
+    ``revert_weight_conversion`` with the trunk's conversion mapping: per-expert tensors for fused experts, ...)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(trunk, dict(state)))
+
+
+def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) -> NativeImportReport:
+    """Load the MTP layers of the ``transformers`` folder ``folder`` into ``modules`` (depth k <- layer k-1); depths
+    beyond the folder's layers keep their fresh initialisation.
+
+    Raises:
+        ValueError: naming the folder and the keys, when a layer the folder declares lacks a required tensor or
+            holds one of another shape than the module's.
+    """
+    declared = native_layer_count(trunk.config) or 0
+    trunk_layers = trunk.config.get_text_config().num_hidden_layers
+    files = checkpoint_files(folder)
+    present = sorted({k for k in range(declared) if any(key.startswith(checkpoint_prefix(trunk_layers, k))
+                                                        for key in files)})
+    report = NativeImportReport(folder, declared)
+    count = min(declared, len(modules))
+    report.fresh = list(range(count + 1, len(modules) + 1))
+    if not present:  # a folder of the family saved without its MTP layers: nothing to import
+        report.checkpoint_layers = 0
+        report.fresh = list(range(1, len(modules) + 1))
+        return report
+    expected: dict[int, dict[str, Tensor]] = {
+        k: disk_state(trunk, module_state(modules[k], trunk_layers, k)) for k in range(count)}
+    _check_folder(folder, files, expected, declared, present, trunk_layers)
+    for k in range(count):
+        prefix = checkpoint_prefix(trunk_layers, k)
+        report.ignored += [key for key in files if key.startswith(prefix) and key.endswith(IGNORED_SUFFIXES)]
+    loaded = _read_with_transformers(trunk, folder, declared)
+    for k in range(count):
+        state = {key.removeprefix(f"layers.{k}."): t for key, t in loaded.items() if key.startswith(f"layers.{k}.")}
+        ours = {("block." + key.removeprefix("mtp_block.")) if key.startswith("mtp_block.") else key: t
+                for key, t in state.items()}
+        missing, unexpected = modules[k].load_state_dict(ours, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder}: MTP layer {k} (model.layers.{trunk_layers + k}.*) does not fit depth "
+                             f"{k + 1}'s module: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        report.loaded[k + 1] = sorted(expected[k])
+    return report
+
+
+def _check_folder(folder: str, files: dict[str, str], expected: dict[int, dict[str, Tensor]], declared: int,
+                  present: list[int], trunk_layers: int) -> None:
+    if len(present) < declared:
+        raise ValueError(f"{folder}: config.json declares num_nextn_predict_layers={declared} but the weights hold "
+                         f"MTP layers {present} only; fix the config or the weights")
+    problems = []
+    for state in expected.values():
+        shapes = tensor_shapes(files, list(state))
+        for key, tensor in state.items():
+            if key not in shapes:
+                problems.append(f"{key} missing")
+            elif shapes[key] != tuple(tensor.shape):
+                problems.append(f"{key} has shape {list(shapes[key])}, the module's is {list(tensor.shape)}")
+    for k, state in expected.items():  # tensors our block has no place for: another block configuration
+        prefix = checkpoint_prefix(trunk_layers, k)
+        problems += [f"{key} unexpected" for key in sorted(files)
+                     if key.startswith(prefix) and key not in state and not key.endswith(IGNORED_SUFFIXES)]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+        raise ValueError(f"{os.path.abspath(folder)}: its native MTP layers do not fit this model's: {shown}")
+
+
+def _read_with_transformers(trunk: nn.Module, folder: str, layers: int) -> dict[str, Tensor]:
+    """``MtpModel.from_pretrained``'s state (keys ``layers.{k}.{enorm,hnorm,eh_proj,post_norm,mtp_block.*}``)."""
+    from transformers.modeling_layers import MtpModel
+
+    register_mtp_patterns(trunk, layers)
+    config = trunk.config
+    saved_path: Optional[str] = config.name_or_path
+    config.name_or_path = folder
+    try:
+        device = trunk.get_input_embeddings().weight.device
+        mtp = MtpModel.from_pretrained(trunk, device_map={"": device})
+    finally:
+        config.name_or_path = saved_path
+    return {key: tensor for key, tensor in mtp.state_dict().items() if key.startswith("layers.")}
+
+
+def refuse_other_layout(layout: str, checkpoint: dict, source: str) -> None:
+    """Refuse a Lightning checkpoint whose MTP modules follow another layout than ``layout``: the keys differ, and
+    loading would silently start the MTP modules from scratch. Checkpoints written before layouts existed hold the
+    lightning layout."""
+    config = (checkpoint.get("mtp") or {}).get("config") or {}
+    if not config and not any(key.startswith("mtp_modules.") for key in checkpoint.get("state_dict") or {}):
+        return  # no MTP modules in it: nothing to mix up
+    saved = config.get("layout") or "lightning"
+    if saved != layout:
+        raise ValueError(f"{source} holds MTP modules of layout {saved!r}, but this model's are {layout!r} "
+                         f"(MTPConfig.layout, --model.mtp.layout): pass --model.mtp.layout {saved} to load it")
