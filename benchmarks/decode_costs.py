@@ -29,7 +29,7 @@ from lightning_mtp.decoding.host import decoding_host
 from lightning_mtp.decoding.sampling import SamplingParams
 from lightning_mtp.decoding.tree import TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
-from lightning_mtp.decoding.tree_policy import FixedTree
+from lightning_mtp.decoding.tree_policy import AutoSteps, FixedTree
 
 NODE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 """Tokens per row of the verify forwards :func:`tree_cost_breakdown` times (the root plus N - 1 draft nodes)."""
@@ -273,6 +273,9 @@ class AutoChoices:
         with choices.counting("greedy batch 1"):
             generate(model, ids, 64, speculative="auto")
         choices.counts["greedy batch 1"]  # Counter({'tree[4, 2, 1, 1]': 20, 'plain': 3, ...})
+
+    Steps after ``auto`` retired drafting (the call finishes in the plain loop) are not counted; the calls that did
+    so are (``"calls retired to plain"``).
     """
 
     def __init__(self) -> None:
@@ -288,11 +291,21 @@ class AutoChoices:
             counts["plain" if option is None else option.describe()] += 1
             return option
 
+        def retired(steps):  # a call that retires drafting runs plain steps the policy is no longer asked about
+            value = original_retired.fget(steps)
+            if value and not getattr(steps, "_retirement_counted", False):
+                steps._retirement_counted = True
+                counts["calls retired to plain"] += 1
+            return value
+
+        original_retired = AutoSteps.retired
         AutoPolicy.next = counted
+        AutoSteps.retired = property(retired)
         try:
             yield counts
         finally:
             AutoPolicy.next = original
+            AutoSteps.retired = original_retired
 
     def histogram(self, key: str) -> dict[str, int]:
         """Steps per option, most chosen first."""

@@ -285,6 +285,25 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
     assert not clearly.retired
 
 
+def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
+    from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
+
+    memory = AutoMemory(step_seconds={"plain": 1.0, "chain1": 10.0})  # drafting never pays
+    first = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    for _ in range(RETIRE_AFTER):
+        first.next()
+    assert first.retired and memory.retired_calls == 1
+    later = [AutoPolicy(memory, [None, TreeShape.chain(1)]) for _ in range(2 * RECHECK_EVERY)]
+    fresh = [i for i, policy in enumerate(later, start=2) if not policy.retired]
+    assert fresh == [RECHECK_EVERY, 2 * RECHECK_EVERY]  # the calls that decide afresh
+    memory.step_seconds["chain1"] = 0.1  # now drafting pays: a recheck call drafts and clears the streak
+    recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    while memory.calls % RECHECK_EVERY:
+        recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    assert recheck.next() == TreeShape.chain(1) and memory.retired_calls == 0
+    assert not AutoPolicy(memory, [None, TreeShape.chain(1)]).retired
+
+
 class RetiringSteps(MixedSteps):
     """Mixed steps, then retired (the decoding loop must finish plainly on the same caches)."""
 

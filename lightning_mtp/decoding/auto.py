@@ -12,13 +12,14 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   product of those estimates along the node's path (dynamic trees use their own measured average).
 
 A drafting option must beat a plain step by ``DRAFT_MARGIN``; after ``RETIRE_AFTER`` plain choices in a row the call
-drops the drafter and finishes with the plain decoding loop, so where drafting does not pay ``auto`` costs (almost)
-nothing. Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier
-calls learned. Every option is lossless, so the policy only changes speed: greedy output stays identical to plain
-decoding and sampling keeps the model's distribution. With sampling, which draft a step makes decides which random
-numbers it consumes, so there the policy decides from the (cached) calibration and the call's own acceptance only:
-the same seed gives the same samples within a process (across processes the calibration is re-measured;
-``speculative=True`` or ``False`` make samples reproducible everywhere).
+drops the drafter and finishes with the plain decoding loop, and the next calls decode plainly from their first step
+(every ``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing. Both
+estimates are kept per model, batch size and device, so later greedy calls start from what earlier calls learned. Every
+option is lossless, so the policy only changes speed: greedy output stays identical to plain decoding and sampling keeps
+the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so there the
+policy decides from the (cached) calibration and the call's own acceptance only: the same seed gives the same samples
+within a process (across processes the calibration is re-measured; ``speculative=True`` or ``False`` make samples
+reproducible everywhere).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ estimates are noisy, and in a batch the slowest row sets the number of steps, so
 RETIRE_AFTER = 2 * PROBE_EVERY
 """After this many consecutive plain choices (two probes of the runner-up among them) the call stops drafting: the
 rest of it runs the plain decoding loop, without the drafter's bookkeeping."""
+RECHECK_EVERY = 8
+"""Once calls retire, the following ones decode plainly from the start, but every this many calls one decides afresh
+(the prompts, and so the acceptance, may have changed)."""
 CALIBRATION_SAMPLES = 48
 """Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
 MIN_CALIBRATION_ROUNDS = 4
@@ -60,6 +64,11 @@ class AutoMemory:
     forgotten (see :meth:`AutoPolicy.update`)."""
     measured_tau: dict[str, float] = field(default_factory=dict)
     """option -> measured tokens per row-step (dynamic trees)."""
+    calls: int = 0
+    """Decoding calls that used this memory."""
+    retired_calls: int = 0
+    """Consecutive calls that stopped drafting (``RETIRE_AFTER``); while > 0 a call decodes plainly from its first
+    step, but every ``RECHECK_EVERY``-th call decides afresh."""
 
 
 def candidate_options(max_depth: int, mtp_depth: int, cascaded: bool, trees: bool) -> list[Optional[TreeShape]]:
@@ -84,6 +93,9 @@ class AutoPolicy:
         self.steps = 0
         self.plain_run = 0
         """Consecutive steps the policy chose a plain step (probes aside)."""
+        memory.calls += 1
+        if memory.retired_calls and memory.calls % RECHECK_EVERY and options[0] is None:
+            self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
         self.last_tried: dict[str, int] = {}
         self.keys = ["plain" if o is None else o.describe() for o in options]
         self._index = {option: i for i, option in enumerate(options)}
@@ -153,6 +165,10 @@ class AutoPolicy:
         if plain is not None and best != plain and rates[best] < DRAFT_MARGIN * rates[plain]:
             best = plain
         self.plain_run = self.plain_run + 1 if best == plain else 0
+        if self.plain_run == RETIRE_AFTER:
+            self.memory.retired_calls += 1
+        elif self.plain_run == 0:
+            self.memory.retired_calls = 0
         if self.steps % PROBE_EVERY == 0:
             # keep the runner-up's estimates current (a slow measurement must not lock an option out)
             runner = max((i for i in range(len(self.options)) if i != best), key=rates.__getitem__, default=best)
