@@ -8,7 +8,7 @@ side by side:
   level deeper than D when cascaded); dynamic EAGLE-2 trees of 8, 16 and 32 nodes of depth D+1; ``speculative="auto"``;
 - greedy, batch 8: plain, chains of 1..D, the draft-length policies, the two smallest static trees, ``auto``;
 - sampling at T = 1, batch 1: plain, chains of 1..D, a static tree (candidates drawn without replacement), a dynamic
-  tree and ``auto``; batch 8: plain and ``auto``;
+  tree and ``auto``; batch 8: plain, chains of 1..D and ``auto``;
 - ``compile=True`` (``greedy-compiled``), batch 1: plain and the chain of D (``--no-compile`` skips them).
 
 Each row has ``mode``, ``decoder`` (``plain``, ``chain``, ``tree``, ``dynamic_tree`` or ``auto``), ``policy`` (chains:
@@ -207,10 +207,10 @@ def modes(depth: int, batch_sizes: list[int], compiled: bool = True, cascaded: b
     sampled_tree = trees[1] if len(trees) > 1 else trees[0]  # [3, 2, 1] at D = 3
     for batch in batch_sizes:
         rows.append(plan_row("sampling", "plain", batch, 0, "-", nodes=0, speculative=False, temperature=1.0))
+        for k in range(1, depth + 1):
+            rows.append(plan_row("sampling", "chain", batch, k, nodes=k, speculative=True, draft_tokens=k,
+                                 temperature=1.0))
         if batch == 1:
-            for k in range(1, depth + 1):
-                rows.append(plan_row("sampling", "chain", batch, k, nodes=k, speculative=True, draft_tokens=k,
-                                     temperature=1.0))
             rows.append(plan_row("sampling", "tree", batch, len(sampled_tree), tree=sampled_tree,
                                  nodes=TreeShape(branching=tuple(sampled_tree)).num_nodes, speculative=True,
                                  draft_tree=sampled_tree, temperature=1.0))

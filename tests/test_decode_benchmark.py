@@ -34,7 +34,7 @@ def test_plan_cascaded_has_trees_drafts_beyond_depth_and_auto(bench):
     assert kinds(plan, "greedy", 1) == {"plain", "chain", "tree", "dynamic_tree", "auto"}
     assert kinds(plan, "greedy", 8) == {"plain", "chain", "tree", "auto"}
     assert kinds(plan, "sampling", 1) == {"plain", "chain", "tree", "dynamic_tree", "auto"}
-    assert kinds(plan, "sampling", 8) == {"plain", "auto"}
+    assert kinds(plan, "sampling", 8) == {"plain", "chain", "auto"}
     assert kinds(plan, "greedy-compiled", 1) == {"plain", "chain"}
     chains = [r["draft_tokens"] for r in plan if r["mode"] == "greedy" and r["batch_size"] == 1
               and r["decoder"] == "chain" and r["policy"] == "fixed"]
