@@ -446,6 +446,26 @@ def test_native_layouts_get_the_native_chain_drafter():
     assert type(chain_drafter(lightning)) is not NativeMTPDrafter
 
 
+NATIVE_CHAINS_ONLY = r"native MTP layers \(MTPConfig.layout='native'\) draft chains of at most D=2 tokens"
+
+
+@pytest.mark.parametrize("speculative,options", [
+    (True, dict(draft_tokens=3)), (True, dict(draft_tree=[2, 1])), (True, dict(draft_tree_nodes=4)),
+    ("auto", dict(draft_tokens=3)), ("auto", dict(draft_tree=[2, 1])),
+], ids=["chain-beyond-D", "tree", "tree-nodes", "auto-beyond-D", "auto-tree"])
+def test_native_layouts_refuse_trees_and_chains_beyond_d_naming_the_layout(speculative, options):
+    """Native layers draft one chain of at most D tokens: asking for more names the layout, not the host, which
+    verifies trees and longer chains for the lightning layout's modules."""
+    model = native_model("glm4_moe", 2).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=NATIVE_CHAINS_ONLY):
+        generate(model, prompt, 4, speculative=speculative, **options)
+    lightning = HFCausalLM("glm4_moe", family_config("glm4_moe", 2), mtp=MTPConfig(depth=2, layout="lightning"))
+    lightning.configure_model()
+    plain = generate(lightning.eval(), prompt, 4, speculative=False)
+    assert torch.equal(generate(lightning, prompt, 4, speculative=speculative, **options).sequences, plain.sequences)
+
+
 def test_positional_cache_masks_slots_after_each_query():
     cache = PositionalLayerCache(batch_size=2, max_len=5)
     mask = cache.step(torch.tensor([[1, 2], [3, 4]]), torch.float32)  # (B, 1, 2, 5)

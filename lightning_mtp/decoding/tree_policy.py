@@ -132,6 +132,12 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     depth = len(modules)
     cascaded = module.mtp_config.architecture == "cascaded"
     trees = supports_trees(host) and module.mtp_config.layout != "native"  # native blocks draft chains only
+    if module.mtp_config.layout == "native" and config.tree_shape(depth) is not None:
+        raise ValueError(
+            f"native MTP layers (MTPConfig.layout='native') draft chains of at most D={depth} tokens, one per layer: "
+            "draft_tree, draft_tree_nodes and draft_tokens > D are not available with them; use draft_tokens <= "
+            f"{depth} (default D), or speculative='auto' without them"
+        )
     if config.speculative is True:
         shape = config.tree_shape(depth)
         if shape is None:
