@@ -7,7 +7,8 @@ Example::
 
 The folder holds the trunk, its config with ``num_nextn_predict_layers`` and the MTP layers under
 ``model.layers.{N+k}.*`` (:mod:`lightning_mtp.native.export`, which also explains when ``transformers`` needs
-``lightning_mtp.native.register_mtp_patterns`` on the loaded model). Checkpoints of other layouts or hosts are refused.
+``lightning_mtp.native.register_mtp_patterns`` on the loaded model), with each MTP layer's copies of the embedding and
+head that vLLM loads (``--no_serving_copies`` leaves them out). Checkpoints of other layouts or hosts are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def export_parser() -> argparse.ArgumentParser:
                     "decodes with.")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by lightning-mtp fit (or a Trainer)")
     parser.add_argument("--out", required=True, help="the folder to write (created; existing files are replaced)")
+    parser.add_argument("--no_serving_copies", action="store_true",
+                        help="leave out each MTP layer's copies of the embedding and head (embed_tokens, "
+                             "shared_head.head): smaller, but vLLM's MTP loader needs them")
     return parser
 
 
@@ -49,15 +53,16 @@ def model_class(hparams: dict) -> type:
     return cls
 
 
-def export(ckpt_path: str, out: str) -> str:
-    """Load the checkpoint on the CPU and write the folder; returns ``out``."""
+def export(ckpt_path: str, out: str, serving_copies: bool = True) -> str:
+    """Load the checkpoint on the CPU and write the folder (``serving_copies``: see ``HFCausalLM.save_pretrained``);
+    returns ``out``."""
     checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
     cls = model_class(dict(checkpoint.get("hyper_parameters") or {}))
     module = cls.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
-    return module.save_pretrained(out)
+    return module.save_pretrained(out, serving_copies=serving_copies)
 
 
 def main(args: Optional[list[str]] = None) -> None:
     namespace = export_parser().parse_args(args)
-    out = export(namespace.ckpt_path, namespace.out)
+    out = export(namespace.ckpt_path, namespace.out, serving_copies=not namespace.no_serving_copies)
     print(f"lightning-mtp export: wrote {out}")

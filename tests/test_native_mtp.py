@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import lightning as L
 import pytest
@@ -287,13 +288,18 @@ def test_import_loads_the_folders_layers_and_adds_fresh_depths(tmp_path, family)
               "model.layers.2.embed_tokens.weight": torch.zeros(VOCAB, 32)}  # some releases carry them: unused
     edit_folder(tmp_path, lambda t: t.update(copies))
     model = HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=3))
-    model.configure_model()
+    with pytest.warns(UserWarning, match=r"model\.layers\.2\.embed_tokens\.weight, model\.layers\.2\.shared_head"
+                                         r"\.head\.weight differ from the trunk's embedding / head"):
+        model.configure_model()
     report = model.mtp_native_report
     assert sorted(report.loaded) == [1, 2] and report.fresh == [3] and report.checkpoint_layers == 2
     assert "model.layers.2.enorm.weight" in report.loaded[1]
     assert "model.layers.3.shared_head.norm.weight" in report.loaded[2]
     assert any(".mlp.gate.e_score_correction_bias" in key for key in report.loaded[1])
     assert sorted(report.ignored) == sorted(copies)
+    for ours, theirs in [(model.trunk.get_input_embeddings(), trunk.get_input_embeddings()),
+                         (model.trunk.get_output_embeddings(), trunk.get_output_embeddings())]:
+        torch.testing.assert_close(ours.weight, theirs.weight, atol=0, rtol=0)  # the zero copies reach no weight
     for k in range(2):
         ours = model.mtp_modules[k].state_dict()
         for key, tensor in reference.layers[k].state_dict().items():
@@ -370,6 +376,7 @@ def test_export_decodes_with_transformers_use_mtp_like_plain_greedy(tmp_path, tr
     assert {f"model.layers.{2 + k}.{name}" for k in range(layers)
             for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                          "mlp.gate.e_score_correction_bias")} <= keys
+    assert_serving_copies(tmp_path, model, layers)  # transformers decodes below with them in the folder
     loaded = loaded_with_mtp(tmp_path)
     prompt = (torch.tensor([[5]]) + torch.arange(6) * 6) % VOCAB
     plain = loaded.generate(prompt, do_sample=False, max_new_tokens=16)
@@ -377,6 +384,56 @@ def test_export_decodes_with_transformers_use_mtp_like_plain_greedy(tmp_path, tr
     with_mtp = loaded.generate(prompt, do_sample=False, max_new_tokens=16, use_mtp=True)
     assert torch.equal(with_mtp, plain)
     assert sum(steps.accepted) > 0  # the exported layers draft tokens that are accepted
+
+
+def serving_copy_keys(layers: int) -> set[str]:
+    return {f"model.layers.{2 + k}.{name}" for k in range(layers)
+            for name in ("embed_tokens.weight", "shared_head.head.weight")}
+
+
+def assert_serving_copies(folder, model: HFCausalLM, layers: int) -> None:
+    """Each MTP layer's ``embed_tokens`` / ``shared_head.head`` equal the trunk's embedding / head, dtype included."""
+    embedding, head = model.trunk.get_input_embeddings().weight, model.trunk.get_output_embeddings().weight
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert serving_copy_keys(layers) <= set(handle.keys())
+        for k in range(layers):
+            for name, expected in (("embed_tokens.weight", embedding), ("shared_head.head.weight", head)):
+                copy = handle.get_tensor(f"model.layers.{2 + k}.{name}")
+                assert copy.dtype == expected.dtype and torch.equal(copy, expected.detach()), (k, name)
+
+
+def test_serving_copies_are_ignored_on_import_and_left_out_on_request(tmp_path):
+    """The copies vLLM loads per MTP layer: written by default (bf16 trunk: bf16 copies), reported as ignored by the
+    import, left out by ``serving_copies=False`` and ``lightning-mtp export --no_serving_copies``."""
+    torch.manual_seed(0)
+    model = HFCausalLM("deepseek_v3", family_config("deepseek_v3", 2), mtp=MTPConfig(depth=2))
+    model.trunk.to(torch.bfloat16)
+    model.configure_model()
+    model.save_pretrained(str(tmp_path / "copies"))
+    assert_serving_copies(tmp_path / "copies", model, 2)
+    again = HFCausalLM(pretrained=str(tmp_path / "copies"), mtp=MTPConfig(depth=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.configure_model()
+    assert not [w for w in caught if "differ from the trunk" in str(w.message)]  # equal copies: no warning
+    report = again.mtp_native_report
+    assert sorted(report.loaded) == [1, 2] and sorted(report.ignored) == sorted(serving_copy_keys(2))
+    assert "ignored 4 keys" in report.summary()
+    model.save_pretrained(str(tmp_path / "plain"), serving_copies=False)
+    trainer = L.Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "native.ckpt")
+    cli_main(["export", "--ckpt_path", str(tmp_path / "native.ckpt"), "--out", str(tmp_path / "cli"),
+              "--no_serving_copies"])
+    keys = {}
+    for name in ("copies", "plain", "cli"):
+        with safe_open(str(tmp_path / name / "model.safetensors"), framework="pt") as handle:
+            keys[name] = set(handle.keys())
+    assert keys["plain"] == keys["cli"] == keys["copies"] - serving_copy_keys(2)
+    plain = HFCausalLM(pretrained=str(tmp_path / "plain"), mtp=MTPConfig(depth=2))
+    plain.configure_model()
+    assert sorted(plain.mtp_native_report.loaded) == [1, 2] and plain.mtp_native_report.ignored == []
 
 
 def test_transformers_needs_the_patterns_for_unreleased_layer_counts(tmp_path, trained):

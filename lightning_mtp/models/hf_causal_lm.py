@@ -295,13 +295,15 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         """``MTPConfig.layout="native"``: D native MTP layers built from the trunk's own decoder-layer class."""
         return build_native_modules(self.trunk, self.mtp_config.depth)
 
-    def save_pretrained(self, folder: str, **save_kwargs: Any) -> str:
+    def save_pretrained(self, folder: str, serving_copies: bool = True, **save_kwargs: Any) -> str:
         """Write a ``transformers`` folder: the trunk, its config with ``num_nextn_predict_layers`` = D, and the MTP
         layers under ``model.layers.{N+k}.*`` -- loadable with ``AutoModelForCausalLM.from_pretrained`` and decoded
         by ``generate(use_mtp=True)`` (:func:`lightning_mtp.native.export.export_native`, which explains the layer
-        count caveat). Only native-layout modules can be written so. ``save_kwargs`` go to the trunk's own
-        ``save_pretrained`` (``max_shard_size``, ...). Returns ``folder``."""
-        export_native(self, folder, **save_kwargs)
+        count caveat). Only native-layout modules can be written so. ``serving_copies=False`` leaves out each MTP
+        layer's copies of the embedding and head (``embed_tokens.weight``, ``shared_head.head.weight``), which
+        vLLM's loader needs. ``save_kwargs`` go to the trunk's own ``save_pretrained`` (``max_shard_size``, ...).
+        Returns ``folder``."""
+        export_native(self, folder, serving_copies=serving_copies, **save_kwargs)
         return folder
 
     # ----------------------------------------------------------------- what MTPMixin needs

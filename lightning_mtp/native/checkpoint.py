@@ -3,8 +3,10 @@
 MTP layer k (0-based) of a model with N main layers sits under ``model.layers.{N+k}.``: ``enorm.weight``,
 ``hnorm.weight``, ``eh_proj.weight`` [H, 2H], ``shared_head.norm.weight`` (our ``post_norm``) and the decoder block's
 own keys (``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``; for mixture-of-experts
-blocks the router's ``mlp.gate.e_score_correction_bias`` too). ``shared_head.head`` and ``embed_tokens`` are ignored:
-the main model's head and embedding serve every depth.
+blocks the router's ``mlp.gate.e_score_correction_bias`` too). Released checkpoints (DeepSeek-V3's layer 61,
+GLM-4.5's layer 92) also carry ``embed_tokens.weight`` and ``shared_head.head.weight`` per MTP layer, copies of the
+main model's embedding and head (:func:`serving_copy_state`; vLLM's loader reads them, ``transformers`` and SGLang do
+not): the import reports them as ignored, since the main model's head and embedding serve every depth.
 
 On disk a block's keys are those ``save_pretrained`` writes, which are not always the module's own (glm4_moe and
 deepseek_v3 store each expert's ``gate_proj``/``up_proj``/``down_proj``, their modules hold fused ``gate_up_proj``
@@ -19,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_mtp.native.family import checkpoint_prefix, native_layer_count
@@ -28,8 +32,9 @@ OWN_KEYS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_
             "post_norm.weight": "shared_head.norm.weight"}
 """Our module's keys outside the block -> the checkpoint's names (under the layer's prefix)."""
 
-IGNORED_SUFFIXES = ("shared_head.head.weight", "embed_tokens.weight")
-"""Per-layer copies of the main model's head and embedding that some checkpoints carry: never read."""
+SERVING_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""Per-layer copies of the main model's embedding and head that released checkpoints carry: never read on import,
+written on export for the serving engines that load them per layer (:func:`serving_copy_state`)."""
 
 
 @dataclass
@@ -67,6 +72,16 @@ def module_state(module: nn.Module, trunk_layers: int, index: int) -> dict[str, 
     return state
 
 
+def serving_copy_state(trunk: nn.Module, trunk_layers: int, index: int) -> dict[str, Tensor]:
+    """MTP layer ``index``'s copies of the trunk's input embedding and output head, as the released checkpoints lay
+    them out: ``model.layers.{N+k}.embed_tokens.weight`` [V, H] and ``model.layers.{N+k}.shared_head.head.weight``
+    [V, H] (the same tensors for tied embeddings). vLLM's ``deepseek_mtp.py`` loads the head per layer and the
+    embedding per layer (older versions) or from the first MTP layer, and fails on a folder without them."""
+    prefix = checkpoint_prefix(trunk_layers, index)
+    return {prefix + SERVING_COPIES[0]: trunk.get_input_embeddings().weight,
+            prefix + SERVING_COPIES[1]: trunk.get_output_embeddings().weight}
+
+
 def disk_state(trunk: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Checkpoint-named module tensors -> what ``save_pretrained`` would write for them (``transformers``'
     ``revert_weight_conversion`` with the trunk's conversion mapping: per-expert tensors for fused experts, ...)."""
@@ -99,8 +114,13 @@ def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) 
         k: disk_state(trunk, module_state(modules[k], trunk_layers, k)) for k in range(count)}
     _check_folder(folder, files, expected, declared, present, trunk_layers)
     for k in range(count):
-        prefix = checkpoint_prefix(trunk_layers, k)
-        report.ignored += [key for key in files if key.startswith(prefix) and key.endswith(IGNORED_SUFFIXES)]
+        copies = serving_copy_state(trunk, trunk_layers, k)
+        report.ignored += [key for key in files if key in copies]
+        differing = _differing_copies(files, {key: t for key, t in copies.items() if key in files})
+        if differing:
+            rank_zero_warn(f"{folder}: {', '.join(differing)} differ from the trunk's embedding / head: the import "
+                           "ignores them (the trunk's serve every depth, as in transformers and SGLang), vLLM would "
+                           "draft with them, and an export writes the trunk's in their place")
     loaded = _read_with_transformers(trunk, folder, declared)
     for k in range(count):
         state = {key.removeprefix(f"layers.{k}."): t for key, t in loaded.items() if key.startswith(f"layers.{k}.")}
@@ -112,6 +132,22 @@ def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) 
                              f"{k + 1}'s module: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         report.loaded[k + 1] = sorted(expected[k])
     return report
+
+
+def _differing_copies(files: dict[str, str], copies: dict[str, Tensor]) -> list[str]:
+    """The folder's serving copies whose values are not the trunk's tensors ``copies`` (checked only where the trunk's
+    are materialised, unsharded and of the same shape)."""
+    from safetensors import safe_open
+
+    differing = []
+    for key, ours in copies.items():
+        if ours.is_meta or type(ours.data) is not Tensor:  # deferred init, or a DTensor shard
+            continue
+        with safe_open(files[key], framework="pt") as handle:
+            theirs = handle.get_tensor(key)
+        if theirs.shape != ours.shape or not torch.equal(theirs.to(ours.device, ours.dtype), ours.detach()):
+            differing.append(key)
+    return differing
 
 
 def _check_folder(folder: str, files: dict[str, str], expected: dict[int, dict[str, Tensor]], declared: int,
@@ -130,7 +166,7 @@ def _check_folder(folder: str, files: dict[str, str], expected: dict[int, dict[s
     for k, state in expected.items():  # tensors our block has no place for: another block configuration
         prefix = checkpoint_prefix(trunk_layers, k)
         problems += [f"{key} unexpected" for key in sorted(files)
-                     if key.startswith(prefix) and key not in state and not key.endswith(IGNORED_SUFFIXES)]
+                     if key.startswith(prefix) and key not in state and not key.endswith(SERVING_COPIES)]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
         raise ValueError(f"{os.path.abspath(folder)}: its native MTP layers do not fit this model's: {shown}")

@@ -4,6 +4,11 @@
 ``generate(..., use_mtp=True)`` decodes with: ``config.json`` with ``num_nextn_predict_layers`` = D, and safetensors
 holding the trunk and, for MTP layer k, ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm}.weight`` plus
 the block's tensors under the names ``save_pretrained`` gives a main layer's (per-expert tensors for fused experts).
+Unless ``serving_copies=False``, every MTP layer also gets ``embed_tokens.weight`` and ``shared_head.head.weight``,
+copies of the trunk's input embedding and output head in its dtype, as the released checkpoints of both families lay
+them out (DeepSeek-V3's ``model.layers.61.*``, GLM-4.5's ``model.layers.92.*``; GLM-4.6 ships without them): vLLM's
+``deepseek_mtp.py`` loader needs them, ``transformers`` and SGLang's ``deepseek_nextn.py`` skip them. They cost two
+[V, H] tensors per MTP layer on disk.
 
 What ``transformers`` does with such a folder (checked in ``tests/test_native_mtp.py``):
 
@@ -31,7 +36,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_mtp.native.checkpoint import disk_state, module_state
+from lightning_mtp.native.checkpoint import disk_state, module_state, serving_copy_state
 from lightning_mtp.native.family import has_native_mtp
 from lightning_mtp.native.transformers_mtp import INDEX_FILE, SINGLE_FILE, finds_mtp_layers
 
@@ -61,10 +66,12 @@ def check_exportable(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def export_native(module: nn.Module, folder: str, **save_kwargs: Any) -> list[str]:
+def export_native(module: nn.Module, folder: str, serving_copies: bool = True, **save_kwargs: Any) -> list[str]:
     """Write ``module`` (an ``HFCausalLM`` with native-layout MTP modules) as a ``transformers`` folder; returns the
-    checkpoint keys written for the MTP layers. ``save_kwargs`` go to the trunk's ``save_pretrained``
-    (``max_shard_size``, ...); in a sharded folder the MTP layers are one more shard, ``model-mtp.safetensors``."""
+    checkpoint keys written for the MTP layers. ``serving_copies`` adds each layer's copies of the trunk's embedding
+    and head (``embed_tokens.weight``, ``shared_head.head.weight``: what vLLM loads). ``save_kwargs`` go to the trunk's
+    ``save_pretrained`` (``max_shard_size``, ...); in a sharded folder the MTP layers are one more shard,
+    ``model-mtp.safetensors``."""
     check_exportable(module)
     trunk = module.trunk
     modules = module.require_mtp_modules()
@@ -74,6 +81,9 @@ def export_native(module: nn.Module, folder: str, **save_kwargs: Any) -> list[st
     for k, layer in enumerate(modules):
         state.update(module_state(layer, trunk_layers, k))
     tensors = {key: t.detach().to("cpu").contiguous() for key, t in disk_state(trunk, state).items()}
+    if serving_copies:  # cloned: safetensors refuses tensors that share memory (tied embeddings, one per layer)
+        tensors.update({key: t.detach().to("cpu", copy=True).contiguous() for k in range(len(modules))
+                        for key, t in serving_copy_state(trunk, trunk_layers, k).items()})
     saved = config.num_mtp_layers
     config.num_mtp_layers = len(modules)  # written as num_nextn_predict_layers (the config's attribute_map)
     try:
