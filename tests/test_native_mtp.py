@@ -610,13 +610,18 @@ def test_round_trip_import_fine_tune_export(tmp_path):
             assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
 
 
-def test_cli_export_refuses_a_lightning_layout_checkpoint(tmp_path, capsys):
+def lightning_layout_checkpoint(tmp_path) -> None:
+    """``tmp_path / "lightning.ckpt"``: a Lightning checkpoint of a glm4_moe host with lightning-layout MTP modules."""
     model = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(layout="lightning"))
     model.configure_model()
     trainer = L.Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     trainer.strategy.connect(model)
     trainer.save_checkpoint(tmp_path / "lightning.ckpt")
+
+
+def test_cli_export_refuses_a_lightning_layout_checkpoint(tmp_path, capsys):
+    lightning_layout_checkpoint(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["export", "--ckpt_path", str(tmp_path / "lightning.ckpt"), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -625,12 +630,7 @@ def test_cli_export_refuses_a_lightning_layout_checkpoint(tmp_path, capsys):
 
 
 def test_a_checkpoint_of_another_layout_is_refused(tmp_path):
-    model = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(layout="lightning"))
-    model.configure_model()
-    trainer = L.Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.strategy.connect(model)
-    trainer.save_checkpoint(tmp_path / "lightning.ckpt")
+    lightning_layout_checkpoint(tmp_path)
     assert HFCausalLM.load_from_checkpoint(tmp_path / "lightning.ckpt", weights_only=True).mtp_config.layout == \
         "lightning"
     with pytest.raises(ValueError, match="layout 'lightning', but this model's are 'native'.*--model.mtp.layout"):
