@@ -346,6 +346,26 @@ def test_auto_policy_drafts_deep_when_drafts_are_accepted():
     assert best is not None and best.depth == 3 and best.is_chain  # a wider tree adds nodes nobody accepts
 
 
+def test_plain_steps_are_priced_at_the_plain_loop_step_time():
+    """The calibration times the plain decoding loop (decode N+1 tokens minus decode 1: prefill cancels), and plain
+    steps taken inside the drafting loop do not move that price."""
+    from types import SimpleNamespace
+
+    from lightning_mtp.decoding.tree_policy import plain_loop_step
+
+    calls = []
+
+    def run(prompts, new_tokens, plain=False):
+        calls.append((new_tokens, plain))
+        return SimpleNamespace(stats=SimpleNamespace(elapsed_s=0.5 + 0.01 * new_tokens))  # prefill 0.5 s
+
+    assert plain_loop_step(run, None, 24) == pytest.approx(0.01)
+    assert all(plain for _, plain in calls)
+    policy = measured_policy()
+    policy.update(None, 5.0, 1.0)  # a slow plain step inside the drafting loop
+    assert policy.memory.step_seconds["plain"] == 1.0
+
+
 def test_auto_policy_learns_measured_step_times():
     policy = measured_policy()
     slow = TreeShape.chain(3).describe()

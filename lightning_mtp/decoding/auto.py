@@ -6,7 +6,8 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
 
 * **costs** are measured: at the first call for a model / batch size / device, a short calibration decodes a random
   prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), then
-  greedy decoding keeps a running average of each option's measured step time;
+  greedy decoding keeps a running average of each drafting option's measured step time; a plain step is priced at
+  the plain decoding loop's step time (timed by the calibration too), since that is what retiring drafting gives;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
@@ -183,7 +184,7 @@ class AutoPolicy:
         memory = self.memory
         index = self._index.get(option)
         key = self.keys[index] if index is not None else ("plain" if option is None else option.describe())
-        if self.learn_costs:
+        if self.learn_costs and option is not None:  # plain: the plain loop's time, calibrated (the retirement's)
             old = memory.step_seconds.get(key, seconds)
             memory.step_seconds[key] = decay * old + (1 - decay) * seconds
         if option is None:  # only the plain option's estimate moved

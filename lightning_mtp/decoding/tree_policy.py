@@ -106,8 +106,9 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
     round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``) and keep
     each option's median step time in the policy's memory.
 
-    ``run(prompts, max_new_tokens)`` decodes with ``steps`` as the policy (the call's greedy or sampling settings,
-    its own generator).
+    ``run(prompts, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or sampling
+    settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes the
+    plain option's (:func:`plain_loop_step`).
     """
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
@@ -118,9 +119,31 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
     steps.calibration = RoundRobin(options, rounds)
     try:
         run(prompts, new_tokens)
-        steps.policy.memory.step_seconds.update(steps.calibration.medians())
+        measured = steps.calibration.medians()
     finally:
         steps.calibration = None
+    if None in options:
+        measured["plain"] = plain_loop_step(run, prompts, min(PLAIN_CALIBRATION_STEPS, new_tokens))
+    steps.policy.memory.step_seconds.update(measured)
+
+
+PLAIN_CALIBRATION_STEPS = 24
+"""Steps of the plain decoding loop timed by the calibration (three times; the median)."""
+
+
+def plain_loop_step(run: Callable[..., Any], prompts: Tensor, steps: int) -> float:
+    """Seconds per step of the plain decoding loop on ``prompts``: the cost ``auto`` weighs drafts against, since where
+    drafting does not pay it retires to that loop (a plain step inside the drafting loop also feeds the drafter and
+    can cost more, on ``transformers`` hosts about half a step more). Timed as the difference between decoding
+    ``steps + 1`` tokens and 1 token (prefill and set-up cancel)."""
+    if steps < 1:
+        return float(run(prompts, 1, plain=True).stats.elapsed_s)
+    samples = []
+    for _ in range(3):
+        short = run(prompts, 1, plain=True).stats.elapsed_s
+        long = run(prompts, steps + 1, plain=True).stats.elapsed_s
+        samples.append(max(long - short, 1e-9) / steps)
+    return sorted(samples)[1]
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
