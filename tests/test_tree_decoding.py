@@ -274,11 +274,12 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
 
     options = [None, TreeShape.chain(1)]
     expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
-    barely = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)}),
-                        options)
+    evidence = {(1, 0): (0.6 * 40, 40.0)}  # tried often enough, accepted at the prior's rate
+    barely = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)},
+                                   acceptance=dict(evidence)), options)
     assert barely.next() is None  # faster than plain by less than the margin: plain
-    clearly = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)}),
-                         options)
+    clearly = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)},
+                                    acceptance=dict(evidence)), options)
     assert clearly.next() == TreeShape.chain(1)
     choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
     assert choices.count(None) >= RETIRE_AFTER - 3 and barely.retired  # probes of the runner-up aside
@@ -288,7 +289,7 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
 def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
     from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
 
-    memory = AutoMemory(step_seconds={"plain": 1.0, "chain1": 10.0})  # drafting never pays
+    memory = AutoMemory(step_seconds={"plain": 1.0, "chain1": 10.0}, acceptance={(1, 0): (20.0, 40.0)})  # never pays
     first = AutoPolicy(memory, [None, TreeShape.chain(1)])
     for _ in range(RETIRE_AFTER):
         first.next()
@@ -302,6 +303,20 @@ def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
         recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
     assert recheck.next() == TreeShape.chain(1) and memory.retired_calls == 0
     assert not AutoPolicy(memory, [None, TreeShape.chain(1)]).retired
+
+
+def test_auto_policy_drafts_until_it_has_evidence_of_the_acceptance():
+    from lightning_mtp.decoding.auto import MIN_EVIDENCE
+
+    policy = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": 3.0}), [None, TreeShape.chain(1)])
+    choices = []
+    for _ in range(int(MIN_EVIDENCE) + 8):
+        option = policy.next()
+        choices.append(option)
+        if option is not None:  # every draft accepted, but a draft step costs 3 plain steps: plain is better
+            policy.update(option, 3.0, 2.0, [[1, 1] + [0] * 7])
+    assert choices[: int(MIN_EVIDENCE)] == [TreeShape.chain(1)] * int(MIN_EVIDENCE)  # the prior alone says plain
+    assert choices[-4:] == [None] * 4
 
 
 class RetiringSteps(MixedSteps):

@@ -12,15 +12,16 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
 
-A drafting option must beat a plain step by ``DRAFT_MARGIN``; after ``RETIRE_AFTER`` plain choices in a row the call
-drops the drafter and finishes with the plain decoding loop, and the next calls decode plainly from their first step
-(every ``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing. Both
-estimates are kept per model, batch size and device, so later greedy calls start from what earlier calls learned. Every
-option is lossless, so the policy only changes speed: greedy output stays identical to plain decoding and sampling keeps
-the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so there the
-policy decides from the (cached) calibration and the call's own acceptance only: the same seed gives the same samples
-within a process (across processes the calibration is re-measured; ``speculative=True`` or ``False`` make samples
-reproducible everywhere).
+Until ``MIN_EVIDENCE`` drafts have been tried the policy drafts rather than step plainly, so that it learns the
+acceptance. A drafting option must beat a plain step by ``DRAFT_MARGIN``; after ``RETIRE_AFTER`` plain choices in a row
+the call drops the drafter and finishes with the plain decoding loop, and the next calls decode plainly from their first
+step (every ``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing.
+Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier calls learned.
+Every option is lossless, so the policy only changes speed: greedy output stays identical to plain decoding and sampling
+keeps the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so
+there the policy decides from the (cached) calibration and the call's own acceptance only: the same seed gives the same
+samples within a process (across processes the calibration is re-measured; ``speculative=True`` or ``False`` make
+samples reproducible everywhere).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ FORGET = 0.98
 """Each step multiplies the acceptance counts by this (older steps count less; about the last 50 matter)."""
 PROBE_EVERY = 24
 """Every this many steps the runner-up option is taken once, so its estimates stay current."""
+MIN_EVIDENCE = 12.0
+"""Until the depth-1 candidates have been tried this many times (the forgotten counts), the policy drafts (its best
+drafting option) rather than step plainly: from the prior alone it cannot tell that drafting does not pay."""
 DRAFT_MARGIN = 1.05
 """A drafting option is taken only when its expected tokens per second beat a plain step's by this factor: the
 estimates are noisy, and in a batch the slowest row sets the number of steps, so a marginal gain is not worth it."""
@@ -101,6 +105,10 @@ class AutoPolicy:
         self.keys = ["plain" if o is None else o.describe() for o in options]
         self._index = {option: i for i, option in enumerate(options)}
         self._rates: Optional[list[float]] = None  # cached until the next update
+
+    def evidence(self) -> float:
+        """How often (forgotten counts) a depth-1 best candidate has been tried: the evidence behind the estimates."""
+        return self.memory.acceptance.get((1, 0), (0.0, 0.0))[1]
 
     def _acceptance(self, depth: int, rank: int) -> float:
         """P(rank-``rank`` candidate at ``depth`` accepted | parent accepted): the counts with a prior worth
@@ -165,6 +173,8 @@ class AutoPolicy:
         plain = 0 if self.options[0] is None else None
         if plain is not None and best != plain and rates[best] < DRAFT_MARGIN * rates[plain]:
             best = plain
+        if best == plain and len(self.options) > 1 and self.evidence() < MIN_EVIDENCE:
+            best = max(range(1, len(self.options)), key=rates.__getitem__)  # explore: learn the acceptance first
         self.plain_run = self.plain_run + 1 if best == plain else 0
         if self.plain_run == RETIRE_AFTER:
             self.memory.retired_calls += 1
