@@ -361,21 +361,6 @@ def test_auto_policy_drafts_deep_when_drafts_are_accepted():
     assert best is not None and best.depth == 3 and best.is_chain  # a wider tree adds nodes nobody accepts
 
 
-def test_calibration_times_the_second_of_two_consecutive_steps_of_an_option():
-    from lightning_mtp.decoding.auto import RoundRobin
-
-    options = [None, TreeShape.chain(1), TreeShape.chain(2)]
-    robin = RoundRobin(options, rounds=3)
-    taken = []
-    while not robin.done:
-        option = robin.next()
-        taken.append(option)
-        robin.record(option, float(len(taken)))  # the step's "time" is its index
-    assert taken == [o for o in options for _ in range(2)] * 3
-    # first round skipped; then only the second step of each pair: steps 8, 10, 12 and 14, 16, 18
-    assert robin.times == {"plain": [8.0, 14.0], "chain1": [10.0, 16.0], "chain2": [12.0, 18.0]}
-
-
 def test_plain_steps_are_priced_at_the_plain_loop_step_time():
     """The calibration times the plain decoding loop (decode N+1 tokens minus decode 1: prefill cancels), and plain
     steps taken inside the drafting loop do not move that price."""

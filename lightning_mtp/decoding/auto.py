@@ -216,9 +216,7 @@ class AutoPolicy:
 
 
 class RoundRobin:
-    """Calibration policy: every option in turn, each for two consecutive steps of which only the second is timed (the
-    first after another option has other work: e.g. after plain steps the MTP modules catch up on the positions they
-    skipped, more tokens per call, which a mixture-of-experts block pays for in full); the first round is warm-up."""
+    """Calibration policy: every option in turn, recording each step's wall time (the first round is warm-up)."""
 
     def __init__(self, options: list[Optional[TreeShape]], rounds: int = 3) -> None:
         self.options, self.rounds = options, rounds
@@ -226,18 +224,17 @@ class RoundRobin:
         self.steps = 0
 
     def next(self) -> Optional[TreeShape]:
-        option = self.options[(self.steps // 2) % len(self.options)]
+        option = self.options[self.steps % len(self.options)]
         self.steps += 1
         return option
 
     def record(self, option: Optional[TreeShape], seconds: float) -> None:
-        # the second step of a pair (steps is even after it), past the first round (windows spanning the prompt)
-        if self.steps % 2 == 0 and self.steps > 2 * len(self.options):
+        if self.steps > len(self.options):  # skip the first round (the first drafting windows span the prompt)
             self.times.setdefault("plain" if option is None else option.describe(), []).append(seconds)
 
     @property
     def done(self) -> bool:
-        return self.steps >= 2 * self.rounds * len(self.options)
+        return self.steps >= self.rounds * len(self.options)
 
     def medians(self) -> dict[str, float]:
         return {key: sorted(values)[len(values) // 2] for key, values in self.times.items()}

@@ -113,7 +113,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
     prompt_len = max(1, min(32, context // 4))
-    new_tokens = max(1, min(3 * rounds * len(options), context - prompt_len))  # 2 steps per option and round
+    new_tokens = max(1, min(3 * rounds * len(options) // 2, context - prompt_len))  # >= 1 token per step
     generator = torch.Generator(device=device).manual_seed(0)
     prompts = torch.randint(0, vocab, (min(batch, CALIBRATION_ROWS), prompt_len), device=device, generator=generator)
     steps.calibration = RoundRobin(options, rounds)
