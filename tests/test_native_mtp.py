@@ -696,3 +696,26 @@ def test_heads_only_fine_tune_of_a_frozen_trunk_exports_from_its_checkpoint(tmp_
     prompt = torch.tensor([[1, 2, 3, 4]])
     plain = loaded.generate(prompt, do_sample=False, max_new_tokens=6)
     assert torch.equal(loaded.generate(prompt, do_sample=False, max_new_tokens=6, use_mtp=True), plain)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_native_layers_fine_tune_under_deepspeed_with_callbacks(tmp_path, stage):
+    """One CPU process (gloo) under ZeRO-2/3, with depth warmup and the weight schedule: both native depths train
+    (depth 2 once warmed up), and ZeRO-2's module exports a folder with the MTP layers."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("native_deepspeed_script.py")
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29650 + stage), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, str(script), str(stage), str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and (tmp_path / "result.json").is_file(), proc.stderr[-6000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["changed"] == ["0", "1"] and result["active_depth"] == 2 and result["loss"] == result["loss"]
+    if stage == 2:
+        with safe_open(str(tmp_path / "exported" / "model.safetensors"), framework="pt") as handle:
+            assert {"model.layers.2.eh_proj.weight", "model.layers.3.eh_proj.weight"} <= set(handle.keys())
