@@ -719,3 +719,32 @@ def test_native_layers_fine_tune_under_deepspeed_with_callbacks(tmp_path, stage)
     if stage == 2:
         with safe_open(str(tmp_path / "exported" / "model.safetensors"), framework="pt") as handle:
             assert {"model.layers.2.eh_proj.weight", "model.layers.3.eh_proj.weight"} <= set(handle.keys())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_native_layers_fit_with_every_callback(tmp_path, family):
+    """The five callbacks of configs/mtp.yaml (depth warmup, weight schedule, diversity, coupling monitor, draft
+    calibration) run on native layers through training and validation, and the fitted temperatures are set."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mtp.callbacks import (
+        MTPCouplingMonitor,
+        MTPDepthWarmup,
+        MTPDiversityRegularizer,
+        MTPDraftCalibration,
+        MTPWeightSchedule,
+    )
+
+    model = native_model(family, 2)
+    data = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    callbacks = [MTPDepthWarmup(schedule={0: 1, 1: 2}), MTPWeightSchedule(milestones={0: 0.3, 2: 0.1}),
+                 MTPDiversityRegularizer(weight=0.02), MTPCouplingMonitor(), MTPDraftCalibration()]
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=1,
+                        num_sanity_val_steps=0, callbacks=callbacks)
+    trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data[:4], batch_size=4))
+    metrics = trainer.callback_metrics
+    assert model.mtp_active_depth == 2 and torch.isfinite(metrics["train_loss"])
+    assert "val/mtp/temperature_depth2" in metrics and len(model.mtp_draft_temperatures) == 2
+    assert any(key.startswith("val/mtp/") and "coupling" in key for key in metrics), sorted(metrics)
