@@ -191,16 +191,14 @@ class AutoPolicy:
                accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8) -> None:
         """Fold in one step: its wall time, tokens per active row, and (static trees) per depth the counts of
         [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]."""
+        if option is None:  # nothing to learn: plain is priced at the plain loop's calibrated step time
+            return
         memory = self.memory
         index = self._index.get(option)
-        key = self.keys[index] if index is not None else ("plain" if option is None else option.describe())
-        if self.learn_costs and option is not None:  # plain: the plain loop's time, calibrated (the retirement's)
+        key = self.keys[index] if index is not None else option.describe()
+        if self.learn_costs:
             old = memory.step_seconds.get(key, seconds)
             memory.step_seconds[key] = decay * old + (1 - decay) * seconds
-        if option is None:  # only the plain option's estimate moved
-            if self._rates is not None and index is not None:
-                self._rates[index] = self.rate(option)
-            return
         self._rates = None
         if option.dynamic:
             memory.measured_tau[key] = decay * memory.measured_tau.get(key, tokens_per_row) + (

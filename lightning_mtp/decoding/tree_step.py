@@ -16,12 +16,14 @@ import torch
 from torch import Tensor
 
 from lightning_mtp.decoding.config import GenerationConfig
+from lightning_mtp.decoding.drafting import Drafts
 from lightning_mtp.decoding.host import TreeHost
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
+from lightning_mtp.decoding.step import accept
 from lightning_mtp.decoding.tree import MAX_RANK, DraftTree, TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
-from lightning_mtp.kernels import verify_drafts, verify_tree
+from lightning_mtp.kernels import verify_tree
 from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput
 from lightning_mtp.layers import attention_width
 
@@ -56,11 +58,8 @@ def accept_chain(chain: DraftTree, logits: Tensor, config: GenerationConfig,
     """A chain's verdict by ordinary speculative decoding (greedy: the longest prefix equal to the argmaxes;
     sampling: speculative rejection sampling), as a tree verdict whose path is the accepted prefix."""
     drafts = chain.tokens[:, 1:]  # (B, k)
-    if config.sampling:
-        probs = logits_to_probs(logits, config.temperature, config.top_k, config.top_p)  # (B, k+1, V) = p
-        verdict = verify_drafts(drafts, probs, chain.probs[:, :-1], mode="sampling", generator=generator)
-    else:
-        verdict = verify_drafts(drafts, logits, mode="greedy")
+    draft_probs = chain.probs[:, :-1] if chain.probs is not None else None  # q of each draft: its parent's
+    verdict = accept(Drafts(drafts, draft_probs), logits, config, generator)
     path = torch.arange(drafts.shape[1] + 1, device=logits.device).expand(logits.shape[0], -1)
     path = torch.minimum(path, verdict.num_accepted.unsqueeze(1))  # past the accepted prefix: its last node
     return TreeVerifyOutput(verdict.num_accepted, path, verdict.output_tokens)
