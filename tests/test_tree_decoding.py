@@ -14,7 +14,7 @@ from test_decoding import alone, draftable_model, ragged_prompts, rows_of
 from test_decoding_sampling import check_first_three_tokens
 
 from lightning_mtp.decoding import GenerationConfig
-from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, candidate_options
+from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, StepCosts, candidate_options
 from lightning_mtp.decoding.tree import TreeShape, static_layout, tree_attention_mask
 from lightning_mtp.kernels.tree_verify_torch import ancestors
 
@@ -254,7 +254,7 @@ def measured_policy() -> AutoPolicy:
     seconds = {"plain": 1.0}
     for option in options[1:]:
         seconds[option.describe()] = 1.0 + 0.25 * option.depth + 0.02 * option.num_nodes
-    return AutoPolicy(AutoMemory(step_seconds=seconds), options)
+    return AutoPolicy(AutoMemory(StepCosts(seconds)), options)
 
 
 def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
@@ -275,10 +275,10 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
     options = [None, TreeShape.chain(1)]
     expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
     evidence = {(1, 0): (0.6 * 40, 40.0)}  # tried often enough, accepted at the prior's rate
-    barely = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)},
+    barely = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)}),
                                    acceptance=dict(evidence)), options)
     assert barely.next() is None  # faster than plain by less than the margin: plain
-    clearly = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)},
+    clearly = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)}),
                                     acceptance=dict(evidence)), options)
     assert clearly.next() == TreeShape.chain(1)
     choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
@@ -289,7 +289,7 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
 def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
     from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
 
-    memory = AutoMemory(step_seconds={"plain": 1.0, "chain1": 10.0}, acceptance={(1, 0): (20.0, 40.0)})  # never pays
+    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": 10.0}), acceptance={(1, 0): (20.0, 40.0)})  # never pays
     first = AutoPolicy(memory, [None, TreeShape.chain(1)])
     for _ in range(RETIRE_AFTER):
         first.next()
@@ -305,10 +305,32 @@ def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
     assert not AutoPolicy(memory, [None, TreeShape.chain(1)]).retired
 
 
+def test_a_call_retired_from_its_start_never_touches_the_drafter(models):
+    """After a call retired drafting, the next calls (but every RECHECK_EVERY-th) decode plainly from the first step:
+    the drafter's caches are not even allocated, and the output still equals plain decoding."""
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    model = models["cascaded"]
+    input_ids, mask, prompts = ragged_prompts(seed=3)
+    expected = [alone(model, p, 24) for p in prompts]
+    model.generate(input_ids, 24, attention_mask=mask, speculative="auto")  # calibrates, sets up the memory
+    batch_memories = [m for key, m in model.__dict__["_mtp_auto_memory"].items() if key[1] == input_ids.shape[0]]
+    for memory in batch_memories:
+        memory.retired_calls, memory.calls = 1, 1  # as if a call had just retired (the next call is not a recheck)
+    allocations = []
+    allocate = MTPTreeDrafter.allocate
+    MTPTreeDrafter.allocate = lambda self, *a: allocations.append(1) or allocate(self, *a)
+    try:
+        out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
+    finally:
+        MTPTreeDrafter.allocate = allocate
+    assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24
+
+
 def test_auto_policy_drafts_until_it_has_evidence_of_the_acceptance():
     from lightning_mtp.decoding.auto import MIN_EVIDENCE
 
-    policy = AutoPolicy(AutoMemory(step_seconds={"plain": 1.0, "chain1": 3.0}), [None, TreeShape.chain(1)])
+    policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 3.0})), [None, TreeShape.chain(1)])
     choices = []
     for _ in range(int(MIN_EVIDENCE) + 8):
         option = policy.next()
@@ -377,8 +399,66 @@ def test_plain_steps_are_priced_at_the_plain_loop_step_time():
     assert plain_loop_step(run, None, 24) == pytest.approx(0.01)
     assert all(plain for _, plain in calls)
     policy = measured_policy()
-    policy.update(None, 5.0, 1.0)  # a slow plain step inside the drafting loop
+    policy.update(None, 5.0, 1.0)  # uncalibrated in-loop price: a plain step inside the loop does not move it
     assert policy.memory.step_seconds["plain"] == 1.0
+
+
+def test_plain_steps_inside_the_drafting_loop_rescale_the_plain_price():
+    """A plain step inside the drafting loop cost 1.5 plain-loop steps at calibration; when such steps take 3 s during
+    the call (the context grew), the plain loop is priced at 2 s. Sampling (no cost learning) keeps the price."""
+    options = [None, TreeShape.chain(1)]
+    costs = StepCosts({"plain": 1.0, "chain1": 2.0}, plain_in_loop_s=1.5, plain_loop_ratio=1.0 / 1.5)
+    greedy = AutoPolicy(AutoMemory(costs), options)
+    for _ in range(60):
+        greedy.update(None, 3.0, 1.0)
+    assert costs.step_seconds["plain"] == pytest.approx(2.0, rel=1e-3)
+    assert costs.plain_in_loop_s == pytest.approx(3.0, rel=1e-3)
+    frozen = StepCosts({"plain": 1.0, "chain1": 2.0}, plain_in_loop_s=1.5, plain_loop_ratio=1.0 / 1.5)
+    sampling = AutoPolicy(AutoMemory(frozen), options, learn_costs=False)
+    sampling.update(None, 3.0, 1.0)
+    assert frozen.step_seconds["plain"] == 1.0 and frozen.plain_in_loop_s == 1.5
+
+
+def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
+    """The calibration's decode is centred on the call's context (longest prompt + half the new tokens), the plain
+    loop is timed there too, and a call at a context more than twice as long calibrates again."""
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.decoding import speculative
+    from lightning_mtp.decoding.auto import RECALIBRATE_CONTEXT
+    from lightning_mtp.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=512),
+                     MTPConfig(depth=2)).eval()
+    model.configure_model()
+    seen = []
+    original = speculative.calibrate_steps
+
+    def spy(steps, run, vocab, batch, context, device, centre=None):
+        def recording_run(prompts, new_tokens, plain=False):
+            seen.append((prompts.shape[1], new_tokens, plain))
+            return run(prompts, new_tokens, plain=plain)
+        return original(steps, recording_run, vocab, batch, context, device, centre)
+
+    speculative.calibrate_steps = spy
+    try:
+        prompt = torch.arange(40).remainder(30).unsqueeze(0) + 1
+        model.generate(prompt, 100, speculative="auto")
+        (costs,) = [m.costs for m in model.__dict__["_mtp_auto_memory"].values()]
+        assert costs.calibrated_context == 40 + 100 // 2
+        drafting = [(p, n) for p, n, plain in seen if not plain]
+        assert len(drafting) == 1 and abs(drafting[0][0] + drafting[0][1] / 2 - 90) <= 1  # centred on 90
+        longest_plain = max(((p, n) for p, n, plain in seen if plain), key=lambda run: run[1])
+        assert abs(longest_plain[0] + longest_plain[1] / 2 - 90) <= 1
+        assert costs.plain_in_loop_s is not None and costs.plain_loop_ratio > 0
+        seen.clear()
+        model.generate(prompt, 120, speculative="auto")  # centre 100: close enough, no calibration
+        assert seen == []
+        far = int(90 * RECALIBRATE_CONTEXT) + 100
+        model.generate(torch.arange(far).remainder(30).unsqueeze(0) + 1, 16, speculative="auto")
+        assert seen and costs.calibrated_context == far + 8
+    finally:
+        speculative.calibrate_steps = original
 
 
 def test_auto_policy_learns_measured_step_times():

@@ -5,9 +5,13 @@ calls, and returns 1 + (expected accepted drafts) tokens per row. Plain decoding
 returns 1. :class:`AutoPolicy` picks, before each step, the option with the most expected tokens per second:
 
 * **costs** are measured: at the first call for a model / batch size / device, a short calibration decodes a random
-  prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), then
-  greedy decoding keeps a running average of each drafting option's measured step time; a plain step is priced at
-  the plain decoding loop's step time (timed by the calibration too), since that is what retiring drafting gives;
+  prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), at
+  the context length the call decodes at (step costs grow with the context: attention reads every cached position);
+  a call whose context is far from the calibrated one calibrates again. Greedy decoding then keeps a running average
+  of each drafting option's measured step time. A plain step is priced at the plain decoding loop's step time, since
+  that is what retiring drafting gives: the calibration times that loop, and greedy decoding rescales it by the
+  plain steps it takes inside the drafting loop (their calibrated ratio to the plain loop's, ``plain_loop_ratio``),
+  so that prices measured during the call are weighed against a plain price of the same moment;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lightning_mtp.decoding.tree import TreeShape
+from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 
 CALIBRATION_ROWS = 32
 """Calibration decodes at most this many rows (a larger batch is timed at this size)."""
@@ -56,14 +61,44 @@ RECHECK_EVERY = 8
 CALIBRATION_SAMPLES = 48
 """Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
 MIN_CALIBRATION_ROUNDS = 4
+RECALIBRATE_CONTEXT = 2.0
+"""A call whose context is more than this many times the calibrated one (or less than its inverse) calibrates again."""
+
+
+@dataclass
+class StepCosts:
+    """What ``auto`` measured of step times for one model / batch size / device / mode (kept across calls, shared by
+    greedy learning and by sampling calls, which only read it)."""
+
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    """option -> measured seconds of a decoding step with it (calibration run, then a running average); ``"plain"``:
+    a step of the plain decoding loop."""
+    plain_in_loop_s: Optional[float] = None
+    """Seconds of a plain step taken inside the drafting loop (calibration, then a running average)."""
+    plain_loop_ratio: float = 1.0
+    """Calibrated plain-loop step time over ``plain_in_loop_s``: a plain step inside the drafting loop also feeds the
+    drafter (on ``transformers`` hosts it measured up to 1.5 plain-loop steps), so its time is rescaled by this."""
+    calibrated_context: Optional[int] = None
+    """The context length (tokens) the calibration decoded at."""
+
+    def needs_calibration(self, context: int) -> bool:
+        """Whether a call decoding around ``context`` tokens must calibrate: never calibrated, or calibrated at a
+        context more than ``RECALIBRATE_CONTEXT`` times shorter or longer (and at least ``ATTENTION_WIDTH_STEP``
+        tokens apart). Step costs grow with the context, so prices from far away would mislead the choice."""
+        if not self.step_seconds:
+            return True
+        if self.calibrated_context is None:
+            return False
+        low, high = sorted((max(context, 1), max(self.calibrated_context, 1)))
+        return high > RECALIBRATE_CONTEXT * low and high - low >= ATTENTION_WIDTH_STEP
 
 
 @dataclass
 class AutoMemory:
     """What ``auto`` learned for one model / batch size / device / mode (kept across calls)."""
 
-    step_seconds: dict[str, float] = field(default_factory=dict)
-    """option -> measured seconds of a decoding step with it (calibration run, then a running average)."""
+    costs: StepCosts = field(default_factory=StepCosts)
+    """Measured step times."""
     acceptance: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     """(depth, rank) -> (accepted, tried) counts of the candidate of that rank given its parent was accepted, slowly
     forgotten (see :meth:`AutoPolicy.update`)."""
@@ -74,6 +109,11 @@ class AutoMemory:
     retired_calls: int = 0
     """Consecutive calls that stopped drafting (``RETIRE_AFTER``); while > 0 a call decodes plainly from its first
     step, but every ``RECHECK_EVERY``-th call decides afresh."""
+
+    @property
+    def step_seconds(self) -> dict[str, float]:
+        """``costs.step_seconds``."""
+        return self.costs.step_seconds
 
 
 def candidate_options(max_depth: int, mtp_depth: int, cascaded: bool, trees: bool) -> list[Optional[TreeShape]]:
@@ -191,9 +231,13 @@ class AutoPolicy:
                accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8) -> None:
         """Fold in one step: its wall time, tokens per active row, and (static trees) per depth the counts of
         [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]."""
-        if option is None:  # nothing to learn: plain is priced at the plain loop's calibrated step time
+        memory, costs = self.memory, self.memory.costs
+        if option is None:  # plain: the plain loop's price, rescaled from the plain steps inside this loop
+            if self.learn_costs and costs.plain_in_loop_s is not None:
+                costs.plain_in_loop_s = decay * costs.plain_in_loop_s + (1 - decay) * seconds
+                costs.step_seconds["plain"] = costs.plain_in_loop_s * costs.plain_loop_ratio
+                self._rates = None
             return
-        memory = self.memory
         index = self._index.get(option)
         key = self.keys[index] if index is not None else option.describe()
         if self.learn_costs:

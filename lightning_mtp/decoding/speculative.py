@@ -150,6 +150,10 @@ def decode(
         if policy is None:
             policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
         extra_slots = getattr(policy, "max_nodes", 0)
+        if getattr(policy, "retired", False):
+            # `auto`, after calls that found drafting does not pay: plain from the first step, and the drafter's
+            # caches are neither allocated nor fed
+            drafter = None
     draft_params = SamplingParams() if config.acceptance == "typical" else params  # Medusa drafts top-1 candidates
     batch = prompts.shape[0]
     eos = config.eos_token_id
@@ -318,7 +322,8 @@ def generate(
             "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
             "of parameter all-gathers, and deadlock; leave it unset"
         )
-    if isinstance(policy, AutoSteps) and policy.needs_calibration:
+    centre = int(lengths.max()) + config.max_new_tokens // 2  # the context this call decodes around
+    if isinstance(policy, AutoSteps) and policy.needs_calibration(centre):
         # the call's own mode (greedy or sampling: sampled trees cost more), its own random stream
         calibration = replace(config, max_new_tokens=1, eos_token_id=None, seed=None)
 
@@ -331,7 +336,7 @@ def generate(
                 return decode(host, None, calibration_prompts, rows, calibration, own)
             return decode(host, drafter, calibration_prompts, rows, calibration, own, policy=policy)
 
-        calibrate_steps(policy, run, host.vocab_size, prompts.shape[0], host.max_context, device)
+        calibrate_steps(policy, run, host.vocab_size, prompts.shape[0], host.max_context, device, centre)
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     new_tokens = out.new_tokens.clone()  # (B, N)

@@ -56,9 +56,10 @@ class AutoSteps:
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
         self.calibration: Optional[RoundRobin] = None
 
-    @property
-    def needs_calibration(self) -> bool:
-        return not self.policy.memory.step_seconds
+    def needs_calibration(self, context: int) -> bool:
+        """Whether the call (decoding around ``context`` tokens) must calibrate first
+        (:meth:`~lightning_mtp.decoding.auto.StepCosts.needs_calibration`)."""
+        return self.policy.memory.costs.needs_calibration(context)
 
     @property
     def retired(self) -> bool:
@@ -101,30 +102,48 @@ class AutoSteps:
 
 
 def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: int, batch: int, context: int,
-                    device: torch.device) -> None:
+                    device: torch.device, centre: Optional[int] = None) -> None:
     """Time every option on this machine and model: decode a random prompt taking the options in turn (a warm-up
     round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``) and keep
     each option's median step time in the policy's memory.
 
+    ``centre``: the context length (tokens) the call decodes around, e.g. its longest prompt plus half its new tokens
+    (default: a quarter of ``context``, the longest allowed). The calibrated steps run there: the calibration's prompt
+    is as long as puts the middle of its decode at ``centre``, and the plain loop is timed at ``centre`` too (a step
+    at 200 tokens of context costs more than one at 40: attention reads every cached position, and at batch 8 that
+    moved the plain step by 25%).
+
     ``run(prompts, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or sampling
     settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes the
-    plain option's (:func:`plain_loop_step`).
+    plain option's (:func:`plain_loop_step`); the plain steps the round robin took inside the drafting loop give
+    ``plain_in_loop_s``, and the two give ``plain_loop_ratio``.
     """
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
-    prompt_len = max(1, min(32, context // 4))
-    new_tokens = max(1, min(3 * rounds * len(options) // 2, context - prompt_len))  # >= 1 token per step
+    centre = max(1, min(context // 4 if centre is None else centre, context - 1))
+    new_tokens = max(1, min(3 * rounds * len(options) // 2, context - 1))  # >= 1 token per step
+    prompt_len = max(1, min(centre - new_tokens // 2, context - new_tokens))
+    rows = min(batch, CALIBRATION_ROWS)
     generator = torch.Generator(device=device).manual_seed(0)
-    prompts = torch.randint(0, vocab, (min(batch, CALIBRATION_ROWS), prompt_len), device=device, generator=generator)
+    prompts = torch.randint(0, vocab, (rows, prompt_len), device=device, generator=generator)
     steps.calibration = RoundRobin(options, rounds)
     try:
         run(prompts, new_tokens)
         measured = steps.calibration.medians()
     finally:
         steps.calibration = None
+    costs = steps.policy.memory.costs
     if None in options:
-        measured["plain"] = plain_loop_step(run, prompts, min(PLAIN_CALIBRATION_STEPS, new_tokens))
-    steps.policy.memory.step_seconds.update(measured)
+        plain_steps = max(1, min(PLAIN_CALIBRATION_STEPS, context - 1))
+        plain_len = max(1, min(centre - plain_steps // 2, context - plain_steps - 1))
+        plain_prompts = torch.randint(0, vocab, (rows, plain_len), device=device, generator=generator)
+        in_loop = measured.get("plain")
+        measured["plain"] = plain_loop_step(run, plain_prompts, plain_steps)
+        if in_loop:
+            costs.plain_in_loop_s = in_loop
+            costs.plain_loop_ratio = measured["plain"] / in_loop
+    costs.step_seconds.update(measured)
+    costs.calibrated_context = centre
 
 
 PLAIN_CALIBRATION_STEPS = 24
@@ -202,7 +221,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
         # sampling decides from the calibration and this call's own acceptance only, never from timings taken
         # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
-        memory = AutoMemory(step_seconds=memory.step_seconds)  # the same dict: calibration fills it for both
+        memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
     policy = AutoPolicy(memory, options, learn_costs=not config.sampling)
     max_depth = max(o.depth for o in options if o is not None)
     if trees:
