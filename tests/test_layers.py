@@ -40,6 +40,33 @@ def test_linear_accepts_non_contiguous_input_and_keeps_gradients():
     torch.testing.assert_close(x.grad, ref.grad)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4, THIN_ROWS])
+@pytest.mark.parametrize("cached", [False, True])
+def test_decoding_sized_attention_takes_the_flash_kernel(tokens, cached):
+    """The thin Linear returns a transposed view; the queries (and, uncached, keys and values) must still reach
+    scaled_dot_product_attention with a unit-stride head dimension, or ATen's CPU flash kernel is skipped for the
+    slower math path (bmm, softmax and masking as separate ops): a verify forward of 4 tokens cost 18% more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_mtp.layers import KVCache, attention_width
+
+    torch.manual_seed(0)
+    block = Block(64, 4, None, 128).eval()
+    x = torch.randn(1, tokens, 64)
+    positions = torch.arange(8, 8 + tokens).unsqueeze(0)
+    cache = KVCache(1, 64, 4, 16, device="cpu", dtype=torch.float32) if cached else None
+    if cached:
+        cos, sin = RotaryTable(64, 16)(tokens, positions)
+    else:
+        cos, sin = RotaryTable(64, 16)(tokens)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        block(x, cos, sin, positions if cached else None, cache,
+              visible_slots(positions, attention_width(positions, 64)) if cached else None)
+    kernels = {event.key for event in prof.key_averages() if "attention" in event.key}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels, kernels
+    assert "aten::_scaled_dot_product_attention_math" not in kernels
+
+
 def test_rms_norm_matches_the_formula_in_fp32_and_bf16():
     torch.manual_seed(0)
     norm = RMSNorm(24)
