@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mtp.small_matmul import THIN_ROWS, thin_linear, thin_path_pays  # noqa: F401 (THIN_ROWS re-exported)
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in fp32."""
@@ -32,41 +34,23 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-THIN_ROWS = 16
-"""Inputs of at most this many rows (tokens) take :class:`Linear`'s thin path on CPU."""
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and checkpoint keys) with a faster path for decoding-sized inputs on CPU.
+    """``nn.Linear`` (same parameters and checkpoint keys) with the faster of two ways to compute decoding-sized
+    products on CPU.
 
-    A decoding step multiplies a few rows (one token per row, or the k+1 tokens of a verify) by every weight. On CPU
-    (MKL, fp32) ``x @ W.T`` with few rows M takes a slow small-M path, while the same product computed as
-    ``(W @ x.T).T`` does not. ``python benchmarks/thin_linear.py`` times the matrix products of one step of the
-    12-layer, width-256 benchmark model on the 2-core development machine (fp32, 2 threads, ms):
-
-    ==========  =====  =====  =====  =====  =====  =====  =====
-    rows M      1      2      4      8      16     32     64
-    ==========  =====  =====  =====  =====  =====  =====  =====
-    F.linear    3.07   3.76   4.04   3.54   4.19   5.70   8.87
-    thin path   1.51   1.46   1.49   2.46   4.07   5.66   8.81
-    ==========  =====  =====  =====  =====  =====  =====  =====
-
-    Above 16 rows the two are equal (compute-bound), so larger inputs keep ``F.linear``.
-    One row is padded to two (a single row falls back to GEMV otherwise). Results equal ``F.linear`` up to float
-    summation order; more than ``THIN_ROWS`` rows (training), other devices and dtypes use ``F.linear``.
+    A decoding step multiplies a few rows (one token per row, or the k+1 tokens of a verify) by every weight; MKL
+    computes ``x @ W.T`` and ``(W @ x.T).T`` with different kernels, and which is faster depends on the machine
+    (:mod:`lightning_mtp.small_matmul` measures it once per shape and row count). Results equal ``F.linear`` up to
+    float summation order; more than ``THIN_ROWS`` rows (training), other devices and dtypes use ``F.linear``.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not (0 < rows <= THIN_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32):
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])  # (M, K)
-        flat = flat.expand(2, -1).contiguous() if rows == 1 else flat.contiguous()
-        out = torch.mm(self.weight, flat.t()).t()[:rows]  # (M, N), a transposed view
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        if (0 < rows <= THIN_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32
+                and thin_path_pays(self.in_features, self.out_features, rows)):
+            return thin_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def rope_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:

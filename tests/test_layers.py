@@ -30,6 +30,55 @@ def test_linear_equals_f_linear(shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_thin_path_when_forced_equals_f_linear(monkeypatch, mode):
+    from lightning_mtp import small_matmul
+
+    monkeypatch.setenv(small_matmul.ENV, mode)
+    torch.manual_seed(0)
+    layer = Linear(32, 48, bias=True)
+    calls = []
+    monkeypatch.setattr("lightning_mtp.layers.thin_linear", lambda *a: calls.append(1) or small_matmul.thin_linear(*a))
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == ([1] if mode == "on" else [])
+
+
+def test_thin_path_is_measured_once_per_shape_bucket_and_threads(monkeypatch):
+    """``auto``: the path is chosen from a measurement on this machine, once per (in, out, row bucket, threads); the
+    thin path only where it measured at most THIN_MARGIN of F.linear's time."""
+    from lightning_mtp import small_matmul
+
+    monkeypatch.delenv(small_matmul.ENV, raising=False)
+    small_matmul.clear()
+    ratios = {1: 0.5, 2: 0.95, 4: 2.0}  # per row bucket: thin / F.linear time
+    measured = []
+
+    def fake_measure(in_features, out_features, rows):
+        measured.append((in_features, out_features, rows))
+        return ratios.get(rows, 1.0)
+
+    monkeypatch.setattr(small_matmul, "measure", fake_measure)
+    try:
+        assert small_matmul.thin_path_pays(32, 48, 1) is True
+        assert small_matmul.thin_path_pays(32, 48, 2) is False  # within THIN_MARGIN: noise is not a reason
+        assert small_matmul.thin_path_pays(32, 48, 3) is False and small_matmul.thin_path_pays(32, 48, 4) is False
+        assert small_matmul.thin_path_pays(32, 48, 1) is True
+        assert measured == [(32, 48, 1), (32, 48, 2), (32, 48, 4)]  # 3 and 4 share the bucket; nothing twice
+        small_matmul.thin_path_pays(48, 32, 1)
+        assert measured[-1] == (48, 32, 1)
+    finally:
+        small_matmul.clear()
+
+
+def test_the_measurement_times_both_paths_on_real_products():
+    from lightning_mtp.small_matmul import LARGEST_MEASURED, measure
+
+    ratio = measure(64, 96, 4, passes=1)
+    assert 0 < ratio < float("inf")
+    assert measure(LARGEST_MEASURED // 4, 2, 1) == float("inf")  # too large to measure: F.linear
+
+
 def test_linear_accepts_non_contiguous_input_and_keeps_gradients():
     torch.manual_seed(0)
     layer = Linear(16, 8, bias=False)
@@ -40,15 +89,18 @@ def test_linear_accepts_non_contiguous_input_and_keeps_gradients():
     torch.testing.assert_close(x.grad, ref.grad)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4, THIN_ROWS])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
 @pytest.mark.parametrize("cached", [False, True])
-def test_decoding_sized_attention_takes_the_flash_kernel(tokens, cached):
+def test_decoding_sized_attention_takes_the_flash_kernel(monkeypatch, tokens, cached):
     """The thin Linear returns a transposed view; the queries (and, uncached, keys and values) must still reach
     scaled_dot_product_attention with a unit-stride head dimension, or ATen's CPU flash kernel is skipped for the
     slower math path (bmm, softmax and masking as separate ops): a verify forward of 4 tokens cost 18% more."""
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_mtp import small_matmul
     from lightning_mtp.layers import KVCache, attention_width
+
+    monkeypatch.setenv(small_matmul.ENV, "on")  # the thin path, whatever this machine measures
 
     torch.manual_seed(0)
     block = Block(64, 4, None, 128).eval()
