@@ -19,8 +19,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mtp"
 
 LAYERS = [
-    ("lightning_mtp.config", "lightning_mtp.small_matmul", "lightning_mtp.layers", "lightning_mtp.kernels", "lightning_mtp.zero",
-     "lightning_mtp.data", "lightning_mtp.metrics", "lightning_mtp.checkpointing", "lightning_mtp.flops"),
+    ("lightning_mtp.config", "lightning_mtp.small_matmul", "lightning_mtp.layers", "lightning_mtp.kernels",
+     "lightning_mtp.zero", "lightning_mtp.data", "lightning_mtp.metrics", "lightning_mtp.checkpointing",
+     "lightning_mtp.flops"),
     ("lightning_mtp.heads", "lightning_mtp.native"),
     ("lightning_mtp.loss", "lightning_mtp.outputs", "lightning_mtp.head_calls", "lightning_mtp.distillation"),
     ("lightning_mtp.decoding",),

@@ -221,6 +221,29 @@ def test_every_draft_equals_uncached_drafting_across_mixed_steps(models, archite
     assert check_drafts_against_reference(model, input_ids, mask, policy) > 20
 
 
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_prompts_shorter_than_the_draft_depth(models, architecture):
+    """A 1- or 2-token prompt: depth k's tree entries at positions n - k + m fall before position 0 for the first
+    steps. They exist in no sequence: nothing may read them (drafts equal uncached drafting over positions >= 0), no
+    chain may write them into a real cache slot, and the output equals plain greedy decoding."""
+    model = models[architecture]
+    prompts = [torch.tensor([7]), torch.tensor([3, 12])]
+    input_ids = torch.zeros(2, 2, dtype=torch.long)
+    mask = torch.zeros(2, 2, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1
+    policy = MixedSteps(parallel=architecture == "parallel")
+    assert check_drafts_against_reference(model, input_ids, mask, policy, max_new_tokens=16) >= 8
+    expected = [alone(model, p, 16) for p in prompts]
+    for options in ({"draft_tokens": 5}, {"draft_tree": [2, 2, 2]}, {"draft_tree_nodes": 8}, {}):
+        if architecture == "parallel" and options.get("draft_tokens", 0) > 3:
+            continue
+        for prompt, want in zip(prompts, expected):
+            out = model.generate(prompt.unsqueeze(0), 16, speculative=True, **options)
+            assert rows_of(out) == [want], options
+        assert rows_of(model.generate(input_ids, 16, attention_mask=mask, speculative="auto")) == expected
+
+
 @pytest.mark.parametrize("tree", [{"draft_tree": [3, 2, 1]}, {"draft_tree": [1, 1, 1, 1]},
                                   {"draft_tree_nodes": 6}, {"speculative": "auto"}],
                          ids=["static-sampled-without-replacement", "chain-beyond-depth",
@@ -446,8 +469,8 @@ def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
         model.generate(prompt, 100, speculative="auto")
         (costs,) = [m.costs for m in model.__dict__["_mtp_auto_memory"].values()]
         assert costs.calibrated_context == 40 + 100 // 2
-        drafting = [(p, n) for p, n, plain in seen if not plain]
-        assert len(drafting) == 1 and abs(drafting[0][0] + drafting[0][1] / 2 - 90) <= 1  # centred on 90
+        drafting = [(p, n) for p, n, plain in seen if not plain]  # one or more decodes, each centred on 90
+        assert drafting and all(abs(p + n / 2 - 90) <= 1 for p, n in drafting), drafting
         longest_plain = max(((p, n) for p, n, plain in seen if plain), key=lambda run: run[1])
         assert abs(longest_plain[0] + longest_plain[1] / 2 - 90) <= 1
         assert costs.plain_in_loop_s is not None and costs.plain_loop_ratio > 0
@@ -459,6 +482,58 @@ def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
         assert seen and costs.calibrated_context == far + 8
     finally:
         speculative.calibrate_steps = original
+
+
+def test_calibration_times_each_option_against_the_plain_step_before_it():
+    """RoundRobin: per drafting option X a plain step then X twice; X's second step is timed as a ratio to that plain
+    step (drift cancels; the first X also catches up), the first round is warm-up, and a new decode starts at a
+    triple's first step."""
+    from lightning_mtp.decoding.auto import RoundRobin
+
+    options = [None, TreeShape.chain(1), TreeShape.chain(2)]
+    robin = RoundRobin(options, rounds=3)
+    taken = []
+    while not robin.done:
+        option = robin.next()
+        taken.append(option)
+        drift = 1.0 + 0.03 * len(taken)  # the machine slows down step by step (1.5x over the run)
+        robin.record(option, drift * {None: 1.0, TreeShape.chain(1): 2.0, TreeShape.chain(2): 3.0}[option])
+    assert taken == [None, TreeShape.chain(1), TreeShape.chain(1), None, TreeShape.chain(2), TreeShape.chain(2)] * 3
+    assert len(robin.plain) == 4 and len(robin.ratios["chain1"]) == 2, robin.ratios  # warm-up round left out
+    medians = robin.medians()
+    plain = medians["plain"]
+    assert medians["chain1"] / plain == pytest.approx(2.0, rel=0.1)  # despite the drift
+    assert medians["chain2"] / plain == pytest.approx(3.0, rel=0.1)
+    robin = RoundRobin(options, rounds=3)
+    robin.next()
+    robin.start_segment()  # a new prompt: the interrupted triple is abandoned, the next one starts with plain
+    assert robin.steps == 3 and robin.next() is None
+
+
+def test_drafting_steps_that_catch_up_do_not_set_the_price():
+    """A draft right after prefill or after plain steps also recomputes the positions the MTP modules skipped: its
+    time counts for acceptance, not for the option's steady step time."""
+    from lightning_mtp.decoding.tree_policy import AutoSteps
+
+    options = [None, TreeShape.chain(1)]
+    policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 2.0})), options)
+    steps = AutoSteps(policy, 1, tree_mode=False)
+    steps.observe_step(1, [1], 1, 50.0)  # the call's first draft: catches up on the prompt
+    assert policy.memory.step_seconds["chain1"] == 2.0
+    steps.observe_step(1, [1], 1, 3.0)  # steady
+    assert policy.memory.step_seconds["chain1"] == pytest.approx(0.8 * 2.0 + 0.2 * 3.0)
+    steps.observe_step(0, [0], 1, 1.0)  # plain
+    before = policy.memory.step_seconds["chain1"]
+    steps.observe_step(1, [1], 1, 50.0)  # after a plain step: catches up again
+    assert policy.memory.step_seconds["chain1"] == before
+    assert policy.memory.acceptance[(1, 0)][0] > 2.5  # every draft's acceptance counted
+    trees = AutoSteps(AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "tree[2]": 2.0, "chain1": 2.0})),
+                                 [None, TreeShape(branching=(2,)), TreeShape.chain(1)]), 1, tree_mode=True)
+    ranks = [0] * 9 + [1, 1] + [0] * 7
+    trees.observe_step(TreeShape(branching=(2,)), [1] + ranks, 1, 50.0)  # first draft of the call
+    trees.observe_step(TreeShape(branching=(2,)), [1] + ranks, 1, 3.0)  # steady
+    trees.observe_step(TreeShape.chain(1), [1] + ranks, 1, 50.0)  # another option right after: not its price
+    assert trees.policy.memory.step_seconds == pytest.approx({"plain": 1.0, "tree[2]": 2.2, "chain1": 2.0})
 
 
 def test_auto_policy_learns_measured_step_times():

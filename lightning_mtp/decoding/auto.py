@@ -228,19 +228,21 @@ class AutoPolicy:
         return self.options[best]
 
     def update(self, option: Optional[TreeShape], seconds: float, tokens_per_row: float,
-               accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8) -> None:
+               accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8, timed: bool = True) -> None:
         """Fold in one step: its wall time, tokens per active row, and (static trees) per depth the counts of
-        [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]."""
+        [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]. ``timed=False``: the step's
+        time is not its option's steady cost (a drafting step right after prefill or after plain steps also catches
+        the MTP modules up on the positions they skipped), so only its acceptance counts."""
         memory, costs = self.memory, self.memory.costs
         if option is None:  # plain: the plain loop's price, rescaled from the plain steps inside this loop
-            if self.learn_costs and costs.plain_in_loop_s is not None:
+            if self.learn_costs and timed and costs.plain_in_loop_s is not None:
                 costs.plain_in_loop_s = decay * costs.plain_in_loop_s + (1 - decay) * seconds
                 costs.step_seconds["plain"] = costs.plain_in_loop_s * costs.plain_loop_ratio
                 self._rates = None
             return
         index = self._index.get(option)
         key = self.keys[index] if index is not None else option.describe()
-        if self.learn_costs:
+        if self.learn_costs and timed:
             old = memory.step_seconds.get(key, seconds)
             memory.step_seconds[key] = decay * old + (1 - decay) * seconds
         self._rates = None
@@ -258,28 +260,63 @@ class AutoPolicy:
 
 
 class RoundRobin:
-    """Calibration policy: every option in turn, recording each step's wall time (the first round is warm-up)."""
+    """Calibration policy: for every drafting option X in turn, a plain step then X twice, each round; X's second step
+    is timed against the plain step just before it.
+
+    The ratio of two neighbouring steps cancels what drifts on a shared machine (measured here: the same step costs up
+    to 15% more or less from one tenth of a second to the next), which timing the options one after another does not.
+    The first X of a pair is not timed: after another option (or a new prompt) it also catches the MTP modules up on
+    positions they skipped, which steady decoding with X does not. The first round is warm-up. The plain steps'
+    median gives the plain step inside the drafting loop; each option's price is its median ratio times that.
+    """
 
     def __init__(self, options: list[Optional[TreeShape]], rounds: int = 3) -> None:
         self.options, self.rounds = options, rounds
-        self.times: dict[str, list[float]] = {}
+        self.drafting = [o for o in options if o is not None]
+        self.sequence = [step for o in self.drafting for step in (None, o, o)] or [None]  # one round
+        self.plain: list[float] = []
+        self.ratios: dict[str, list[float]] = {}
         self.steps = 0
+        self._last_plain: Optional[float] = None
 
     def next(self) -> Optional[TreeShape]:
-        option = self.options[self.steps % len(self.options)]
+        option = self.sequence[self.steps % len(self.sequence)]
         self.steps += 1
         return option
 
     def record(self, option: Optional[TreeShape], seconds: float) -> None:
-        if self.steps > len(self.options):  # skip the first round (the first drafting windows span the prompt)
-            self.times.setdefault("plain" if option is None else option.describe(), []).append(seconds)
+        step = self.steps - 1  # the step just taken
+        warm = step < len(self.sequence)
+        if option is None:
+            self._last_plain = seconds
+            if not warm:
+                self.plain.append(seconds)
+        elif step % 3 == 2 and not warm and self._last_plain:  # the second X after its plain step
+            self.ratios.setdefault(option.describe(), []).append(seconds / self._last_plain)
+
+    def start_segment(self) -> None:
+        """A new calibration decode starts (prefill): begin at the next plain-X-X triple."""
+        self.steps = -(-self.steps // 3) * 3
+        self._last_plain = None
 
     @property
     def done(self) -> bool:
-        return self.steps >= self.rounds * len(self.options)
+        return self.steps >= self.rounds * len(self.sequence)
 
     def medians(self) -> dict[str, float]:
-        return {key: sorted(values)[len(values) // 2] for key, values in self.times.items()}
+        """Seconds per option: ``"plain"`` the median plain step inside the drafting loop, each drafting option its
+        median ratio times that."""
+        if not self.plain:
+            return {}
+        plain = _median(self.plain)
+        out = {"plain": plain}
+        out.update({key: _median(values) * plain for key, values in self.ratios.items()})
+        return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

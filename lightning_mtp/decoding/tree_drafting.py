@@ -125,15 +125,21 @@ class MTPTreeDrafter:
         chain, so the call is causal over consecutive positions (no tree mask)."""
         rows = state.rows
         module = self.modules[self._module_index(k)]
+        cache = state.caches[k - 1]
         shift = k if self.cascaded else 1
         linear_end = newest - shift  # (B,)
         width = state.windows[k - 1]
         steps = torch.arange(-width + 1, 1, device=newest.device)
-        linear = (linear_end.unsqueeze(1) + steps).clamp_min(0)  # (B, W)
+        raw = linear_end.unsqueeze(1) + steps  # (B, W); < 0 before the sequence starts (a prompt shorter than k)
+        linear = raw.clamp_min(0)  # (B, W) positions read (RoPE, inputs)
+        # Entries at positions < 0 exist in no sequence (training computes none): they go to the cache's last slot,
+        # which no real position reaches and no query sees, instead of overwriting position 0.
+        dump = cache.max_len - 1
+        linear_slots = torch.where(raw >= 0, raw, dump)
         source = state.hidden[k - 1] if self.cascaded else state.hidden[0]
         h_in = source[rows, linear]  # (B, W, H)
         emb = self.embed(tokens[rows, linear + k]) if self.cascaded else None  # Emb(t(j+k)), committed
-        positions, slots, mask = linear, linear, None
+        positions, slots, mask = linear, linear_slots, None
         size = node_index.shape[1]
         if size:
             if static_anc is not None:  # static trees: this depth's nodes are 1..M (breadth-first)
@@ -146,24 +152,28 @@ class MTPTreeDrafter:
                 node_depths = cand.depths[rows, node_index]
             h_in = torch.cat([h_in, node_hidden[rows, parents]], dim=1)  # h_(k-1) at each node's parent
             emb = torch.cat([emb, self.embed(node_tokens)], dim=1)
-            positions = torch.cat([linear, linear_end.unsqueeze(1) + node_depths], dim=1)
+            node_raw = linear_end.unsqueeze(1) + node_depths  # (B, M), < 0 for the first steps of a short prompt
+            positions = torch.cat([linear, node_raw.clamp_min(0)], dim=1)
             if chain:
                 # consecutive positions, causal (mask None): the nodes are written at their own positions, which lie
                 # beyond the linear end of every later step, so they are rewritten before anything reads them
-                slots = positions
+                slots = torch.cat([linear_slots, torch.where(node_raw >= 0, node_raw, dump)], dim=1)
             else:
-                slots = torch.cat([linear, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
+                slots = torch.cat([linear_slots, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
                 if static_anc is not None:  # static trees: this depth's nodes are 1..M, their table is precomputed
                     anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(newest.shape[0], size, size)
                 else:  # ancestors among this depth's nodes: the global table restricted to node_index
                     anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
                     anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))
-                used = attention_width(newest + (size - 1), state.caches[k - 1].max_len)  # slots in use, rounded
+                # nodes before position 0 are nobody's key but their own (a query must see something)
+                own = torch.eye(size, dtype=torch.bool, device=newest.device)
+                anc = anc & ((node_raw >= 0).unsqueeze(1) | own)
+                used = attention_width(newest + (size - 1), cache.max_len)  # slots in use, rounded
                 mask = tree_attention_mask(linear_end, newest, anc, used, linear)  # (B, 1, W + M, used)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
-        out = module(h_in, emb, cos, sin, slots, state.caches[k - 1], mask)  # (B, W + M, H)
+        out = module(h_in, emb, cos, sin, slots, cache, mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:
-            state.hidden[k][rows, linear] = out[:, :width]
+            state.hidden[k][rows, linear_slots] = out[:, :width]
         return out[:, width - 1], out[:, width:]
 
     # ------------------------------------------------------------------------------------------- candidates

@@ -55,6 +55,7 @@ class AutoSteps:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
         self.calibration: Optional[RoundRobin] = None
+        self._previous: Any = "prefill"  # the previous step's option: a draft times its steady cost only after itself
 
     def needs_calibration(self, context: int) -> bool:
         """Whether the call (decoding around ``context`` tokens) must calibrate first
@@ -83,6 +84,10 @@ class AutoSteps:
         if self.calibration is not None:
             self.calibration.record(shape, seconds)
             return
+        # A draft right after prefill, plain steps or another option also catches the MTP modules up on positions
+        # they skipped or computed for another shape: only a repeat of the previous option shows its steady cost.
+        timed = shape is None or shape == self._previous
+        self._previous = shape
         if active_rows <= 0:
             return
         if not self.tree_mode:
@@ -98,14 +103,17 @@ class AutoSteps:
             depth = 0 if shape is None else shape.depth
             ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
         tokens = 1.0 + sum(accepted) / active_rows
-        self.policy.update(shape, seconds, tokens, ranks)
+        self.policy.update(shape, seconds, tokens, ranks, timed=timed)
 
 
 def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: int, batch: int, context: int,
                     device: torch.device, centre: Optional[int] = None) -> None:
-    """Time every option on this machine and model: decode a random prompt taking the options in turn (a warm-up
-    round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``) and keep
-    each option's median step time in the policy's memory.
+    """Time every option on this machine and model: decode a random prompt taking, for every drafting option X in
+    turn, a plain step then X twice, X's second step timed against the plain step before it
+    (:class:`~lightning_mtp.decoding.auto.RoundRobin`: neighbouring steps, so drift on a shared machine cancels, and
+    steady decoding with X, no catch-up after another option), a warm-up round, then enough rounds for
+    ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``; keep each option's price in the
+    policy's memory.
 
     ``centre``: the context length (tokens) the call decodes around, e.g. its longest prompt plus half its new tokens
     (default: a quarter of ``context``, the longest allowed). The calibrated steps run there: the calibration's prompt
@@ -121,24 +129,36 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
     centre = max(1, min(context // 4 if centre is None else centre, context - 1))
-    new_tokens = max(1, min(3 * rounds * len(options) // 2, context - 1))  # >= 1 token per step
-    prompt_len = max(1, min(centre - new_tokens // 2, context - new_tokens))
+    calibration = RoundRobin(options, rounds)
+    total_steps = rounds * len(calibration.sequence)
+    # decodes ("segments") of at most this many tokens, centred on `centre` where the context allows
+    segment = max(1, min(3 * total_steps // 2, 2 * centre, context - 1))
     rows = min(batch, CALIBRATION_ROWS)
     generator = torch.Generator(device=device).manual_seed(0)
-    prompts = torch.randint(0, vocab, (rows, prompt_len), device=device, generator=generator)
-    steps.calibration = RoundRobin(options, rounds)
-    try:
-        run(prompts, new_tokens)
-        measured = steps.calibration.medians()
-    finally:
-        steps.calibration = None
-    costs = steps.policy.memory.costs
+    loop_samples: list[float] = []  # the plain decoding loop, timed before and after the round robin (drift)
     if None in options:
         plain_steps = max(1, min(PLAIN_CALIBRATION_STEPS, context - 1))
         plain_len = max(1, min(centre - plain_steps // 2, context - plain_steps - 1))
         plain_prompts = torch.randint(0, vocab, (rows, plain_len), device=device, generator=generator)
+        loop_samples += plain_loop_samples(run, plain_prompts, plain_steps)
+    steps.calibration = calibration
+    try:
+        for _ in range(MAX_CALIBRATION_SEGMENTS):
+            calibration.start_segment()
+            remaining = total_steps - calibration.steps  # steps left; a random prompt's drafts are mostly rejected
+            tokens = max(1, min(segment, remaining + remaining // 4 + 1))
+            prompt_len = max(1, min(centre - tokens // 2, context - tokens))  # the decode centred on `centre`
+            run(torch.randint(0, vocab, (rows, prompt_len), device=device, generator=generator), tokens)
+            if calibration.done:
+                break
+        measured = calibration.medians()
+    finally:
+        steps.calibration = None
+    costs = steps.policy.memory.costs
+    if loop_samples:
+        loop_samples += plain_loop_samples(run, plain_prompts, plain_steps)
         in_loop = measured.get("plain")
-        measured["plain"] = plain_loop_step(run, plain_prompts, plain_steps)
+        measured["plain"] = sorted(loop_samples)[len(loop_samples) // 2]
         if in_loop:
             costs.plain_in_loop_s = in_loop
             costs.plain_loop_ratio = measured["plain"] / in_loop
@@ -148,21 +168,28 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
 
 PLAIN_CALIBRATION_STEPS = 24
 """Steps of the plain decoding loop timed by the calibration (three times; the median)."""
+MAX_CALIBRATION_SEGMENTS = 16
+"""At most this many calibration decodes (a short context holds few steps per decode)."""
 
 
-def plain_loop_step(run: Callable[..., Any], prompts: Tensor, steps: int) -> float:
-    """Seconds per step of the plain decoding loop on ``prompts``: the cost ``auto`` weighs drafts against, since where
-    drafting does not pay it retires to that loop (a plain step inside the drafting loop also feeds the drafter and
-    can cost more, on ``transformers`` hosts about half a step more). Timed as the difference between decoding
-    ``steps + 1`` tokens and 1 token (prefill and set-up cancel)."""
+def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, steps: int, repeats: int = 2) -> list[float]:
+    """Seconds per step of the plain decoding loop on ``prompts``, ``repeats`` samples: the cost ``auto`` weighs drafts
+    against, since where drafting does not pay it retires to that loop (a plain step inside the drafting loop also
+    feeds the drafter and can cost more). Each sample is the difference between decoding ``steps + 1`` tokens and 1
+    token (prefill and set-up cancel)."""
     if steps < 1:
-        return float(run(prompts, 1, plain=True).stats.elapsed_s)
+        return [float(run(prompts, 1, plain=True).stats.elapsed_s)]
     samples = []
-    for _ in range(3):
+    for _ in range(repeats):
         short = run(prompts, 1, plain=True).stats.elapsed_s
         long = run(prompts, steps + 1, plain=True).stats.elapsed_s
         samples.append(max(long - short, 1e-9) / steps)
-    return sorted(samples)[1]
+    return samples
+
+
+def plain_loop_step(run: Callable[..., Any], prompts: Tensor, steps: int) -> float:
+    """The median of three :func:`plain_loop_samples`."""
+    return sorted(plain_loop_samples(run, prompts, steps, repeats=3))[1]
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
