@@ -314,7 +314,7 @@ class AutoChoices:
 
 def auto_memory(model) -> list[dict]:
     """What ``speculative="auto"`` learned on ``model`` (kept on the module per host, batch size, device, dtype and
-    option set): each option's measured step time (calibration, then the running average of greedy calls), in plain
+    option set): each option's measured step time (the calibration's), in plain
     steps, the acceptance estimates per (depth, sibling rank) and the measured tau of dynamic trees."""
     out = []
     for key, memory in model.__dict__.get("_mtp_auto_memory", {}).items():

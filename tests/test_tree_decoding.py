@@ -286,7 +286,7 @@ def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
     assert option is not None  # the prior expects acceptance: it drafts
     for _ in range(40):  # every draft rejected
         ranks = [[1] + [0] * 8 for _ in range(option.depth)] if option is not None else None
-        policy.update(option, policy.seconds(option), 1.0, ranks)
+        policy.update(option, 1.0, ranks)
         option = policy.next()
     choices = [policy.next() for _ in range(48)]
     assert choices.count(None) >= 45  # plain, but for the periodic probe of the runner-up
@@ -359,7 +359,7 @@ def test_auto_policy_drafts_until_it_has_evidence_of_the_acceptance():
         option = policy.next()
         choices.append(option)
         if option is not None:  # every draft accepted, but a draft step costs 3 plain steps: plain is better
-            policy.update(option, 3.0, 2.0, [[1, 1] + [0] * 7])
+            policy.update(option, 2.0, [[1, 1] + [0] * 7])
     assert choices[: int(MIN_EVIDENCE)] == [TreeShape.chain(1)] * int(MIN_EVIDENCE)  # the prior alone says plain
     assert choices[-4:] == [None] * 4
 
@@ -401,7 +401,7 @@ def test_auto_policy_drafts_deep_when_drafts_are_accepted():
     for _ in range(40):  # the best candidate always accepted: a deep draft pays
         option = policy.next()
         ranks = None if option is None else [[1, 1] + [0] * 7 for _ in range(option.depth)]
-        policy.update(option, policy.seconds(option), 1.0 + (option.depth if option else 0), ranks)
+        policy.update(option, 1.0 + (option.depth if option else 0), ranks)
     best = policy.next()
     assert best is not None and best.depth == 3 and best.is_chain  # a wider tree adds nodes nobody accepts
 
@@ -415,39 +415,22 @@ def test_plain_steps_are_priced_at_the_plain_loop_step_time():
 
     calls = []
 
-    def run(prompts, new_tokens, plain=False):
+    def run(prompts, lengths, new_tokens, plain=False):
         calls.append((new_tokens, plain))
         return SimpleNamespace(stats=SimpleNamespace(elapsed_s=0.5 + 0.01 * new_tokens))  # prefill 0.5 s
 
-    assert plain_loop_step(run, None, 24) == pytest.approx(0.01)
+    assert plain_loop_step(run, None, None, 24) == pytest.approx(0.01)
     assert all(plain for _, plain in calls)
-    policy = measured_policy()
-    policy.update(None, 5.0, 1.0)  # uncalibrated in-loop price: a plain step inside the loop does not move it
-    assert policy.memory.step_seconds["plain"] == 1.0
 
 
-def test_plain_steps_inside_the_drafting_loop_rescale_the_plain_price():
-    """A plain step inside the drafting loop cost 1.5 plain-loop steps at calibration; when such steps take 3 s during
-    the call (the context grew), the plain loop is priced at 2 s. Sampling (no cost learning) keeps the price."""
-    options = [None, TreeShape.chain(1)]
-    costs = StepCosts({"plain": 1.0, "chain1": 2.0}, plain_in_loop_s=1.5, plain_loop_ratio=1.0 / 1.5)
-    greedy = AutoPolicy(AutoMemory(costs), options)
-    for _ in range(60):
-        greedy.update(None, 3.0, 1.0)
-    assert costs.step_seconds["plain"] == pytest.approx(2.0, rel=1e-3)
-    assert costs.plain_in_loop_s == pytest.approx(3.0, rel=1e-3)
-    frozen = StepCosts({"plain": 1.0, "chain1": 2.0}, plain_in_loop_s=1.5, plain_loop_ratio=1.0 / 1.5)
-    sampling = AutoPolicy(AutoMemory(frozen), options, learn_costs=False)
-    sampling.update(None, 3.0, 1.0)
-    assert frozen.step_seconds["plain"] == 1.0 and frozen.plain_in_loop_s == 1.5
-
-
-def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
-    """The calibration's decode is centred on the call's context (longest prompt + half the new tokens), the plain
-    loop is timed there too, and a call at a context more than twice as long calibrates again."""
+def test_calibration_decodes_the_calls_own_prompts_and_again_far_from_their_context():
+    """The calibration decodes the call's own prompts for the call's number of new tokens (at least
+    CALIBRATION_MIN_SEGMENT), so its steps run at the call's context and acceptance; the plain loop is timed on them
+    too, and a call whose context is more than twice as long calibrates again."""
     from lightning_mtp import MTPConfig
     from lightning_mtp.decoding import speculative
     from lightning_mtp.decoding.auto import RECALIBRATE_CONTEXT
+    from lightning_mtp.decoding.tree_policy import CALIBRATION_MIN_SEGMENT
     from lightning_mtp.models import CausalLM, ModelConfig
 
     torch.manual_seed(0)
@@ -457,11 +440,11 @@ def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
     seen = []
     original = speculative.calibrate_steps
 
-    def spy(steps, run, vocab, batch, context, device, centre=None):
-        def recording_run(prompts, new_tokens, plain=False):
-            seen.append((prompts.shape[1], new_tokens, plain))
-            return run(prompts, new_tokens, plain=plain)
-        return original(steps, recording_run, vocab, batch, context, device, centre)
+    def spy(steps, run, prompts, lengths, new_tokens, context):
+        def recording_run(calibration_prompts, rows, tokens, plain=False):
+            seen.append((calibration_prompts.clone(), rows.tolist(), tokens, plain))
+            return run(calibration_prompts, rows, tokens, plain=plain)
+        return original(steps, recording_run, prompts, lengths, new_tokens, context)
 
     speculative.calibrate_steps = spy
     try:
@@ -469,17 +452,17 @@ def test_calibration_runs_at_the_calls_context_and_again_far_from_it():
         model.generate(prompt, 100, speculative="auto")
         (costs,) = [m.costs for m in model.__dict__["_mtp_auto_memory"].values()]
         assert costs.calibrated_context == 40 + 100 // 2
-        drafting = [(p, n) for p, n, plain in seen if not plain]  # one or more decodes, each centred on 90
-        assert drafting and all(abs(p + n / 2 - 90) <= 1 for p, n in drafting), drafting
-        longest_plain = max(((p, n) for p, n, plain in seen if plain), key=lambda run: run[1])
-        assert abs(longest_plain[0] + longest_plain[1] / 2 - 90) <= 1
+        drafting = [(p, rows, n) for p, rows, n, plain in seen if not plain]
+        assert drafting and all(torch.equal(p, prompt) and rows == [40] and n == 100 for p, rows, n in drafting)
+        assert any(plain and n == 101 and torch.equal(p, prompt) for p, _, n, plain in seen)  # the plain loop
         assert costs.plain_in_loop_s is not None and costs.plain_loop_ratio > 0
         seen.clear()
         model.generate(prompt, 120, speculative="auto")  # centre 100: close enough, no calibration
         assert seen == []
         far = int(90 * RECALIBRATE_CONTEXT) + 100
         model.generate(torch.arange(far).remainder(30).unsqueeze(0) + 1, 16, speculative="auto")
-        assert seen and costs.calibrated_context == far + 8
+        assert seen and all(n == CALIBRATION_MIN_SEGMENT for _, _, n, plain in seen if not plain)
+        assert costs.calibrated_context == far + CALIBRATION_MIN_SEGMENT // 2
     finally:
         speculative.calibrate_steps = original
 
@@ -510,38 +493,17 @@ def test_calibration_times_each_option_against_the_plain_step_before_it():
     assert robin.steps == 3 and robin.next() is None
 
 
-def test_drafting_steps_that_catch_up_do_not_set_the_price():
-    """A draft right after prefill or after plain steps also recomputes the positions the MTP modules skipped: its
-    time counts for acceptance, not for the option's steady step time."""
-    from lightning_mtp.decoding.tree_policy import AutoSteps
-
-    options = [None, TreeShape.chain(1)]
-    policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 2.0})), options)
-    steps = AutoSteps(policy, 1, tree_mode=False)
-    steps.observe_step(1, [1], 1, 50.0)  # the call's first draft: catches up on the prompt
-    assert policy.memory.step_seconds["chain1"] == 2.0
-    steps.observe_step(1, [1], 1, 3.0)  # steady
-    assert policy.memory.step_seconds["chain1"] == pytest.approx(0.8 * 2.0 + 0.2 * 3.0)
-    steps.observe_step(0, [0], 1, 1.0)  # plain
-    before = policy.memory.step_seconds["chain1"]
-    steps.observe_step(1, [1], 1, 50.0)  # after a plain step: catches up again
-    assert policy.memory.step_seconds["chain1"] == before
-    assert policy.memory.acceptance[(1, 0)][0] > 2.5  # every draft's acceptance counted
-    trees = AutoSteps(AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "tree[2]": 2.0, "chain1": 2.0})),
-                                 [None, TreeShape(branching=(2,)), TreeShape.chain(1)]), 1, tree_mode=True)
-    ranks = [0] * 9 + [1, 1] + [0] * 7
-    trees.observe_step(TreeShape(branching=(2,)), [1] + ranks, 1, 50.0)  # first draft of the call
-    trees.observe_step(TreeShape(branching=(2,)), [1] + ranks, 1, 3.0)  # steady
-    trees.observe_step(TreeShape.chain(1), [1] + ranks, 1, 50.0)  # another option right after: not its price
-    assert trees.policy.memory.step_seconds == pytest.approx({"plain": 1.0, "tree[2]": 2.2, "chain1": 2.0})
-
-
-def test_auto_policy_learns_measured_step_times():
-    policy = measured_policy()
-    slow = TreeShape.chain(3).describe()
-    for _ in range(30):
-        policy.update(TreeShape.chain(3), 50.0, 4.0, [[1, 1] + [0] * 7] * 3)
-    assert policy.memory.step_seconds[slow] > 40
+def test_prices_come_from_the_calibration_only(models):
+    """Decoding does not move the calibrated step prices (a running average of step times drifts with the machine
+    while the plain price it is weighed against does not): only the acceptance estimates learn."""
+    model = models["cascaded"]
+    model.__dict__.pop("_mtp_auto_memory", None)
+    input_ids, mask, _ = ragged_prompts(seed=5)
+    model.generate(input_ids, 8, attention_mask=mask, speculative="auto")
+    (memory,) = [m for key, m in model.__dict__["_mtp_auto_memory"].items() if key[1] == input_ids.shape[0]]
+    prices, acceptance = dict(memory.step_seconds), dict(memory.acceptance)
+    model.generate(input_ids, 32, attention_mask=mask, speculative="auto")
+    assert memory.step_seconds == prices and memory.acceptance != acceptance
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -7,11 +7,10 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
 * **costs** are measured: at the first call for a model / batch size / device, a short calibration decodes a random
   prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), at
   the context length the call decodes at (step costs grow with the context: attention reads every cached position);
-  a call whose context is far from the calibrated one calibrates again. Greedy decoding then keeps a running average
-  of each drafting option's measured step time. A plain step is priced at the plain decoding loop's step time, since
-  that is what retiring drafting gives: the calibration times that loop, and greedy decoding rescales it by the
-  plain steps it takes inside the drafting loop (their calibrated ratio to the plain loop's, ``plain_loop_ratio``),
-  so that prices measured during the call are weighed against a plain price of the same moment;
+  a call whose context is far from the calibrated one calibrates again. Each drafting option is timed against the
+  plain step just before it, so drift on a shared machine cancels; a plain step is priced at the plain decoding
+  loop's step time (timed too), since that is what retiring drafting gives. Prices are not updated during decoding:
+  a running average of step times drifts with the machine while the plain price it is weighed against does not;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
@@ -71,13 +70,14 @@ class StepCosts:
     greedy learning and by sampling calls, which only read it)."""
 
     step_seconds: dict[str, float] = field(default_factory=dict)
-    """option -> measured seconds of a decoding step with it (calibration run, then a running average); ``"plain"``:
-    a step of the plain decoding loop."""
+    """option -> measured seconds of a decoding step with it (the calibration's); ``"plain"``: a step of the plain
+    decoding loop."""
     plain_in_loop_s: Optional[float] = None
-    """Seconds of a plain step taken inside the drafting loop (calibration, then a running average)."""
+    """Seconds of a plain step taken inside the drafting loop (calibration; reported, the policy prices plain steps at
+    the plain loop's ``step_seconds["plain"]``)."""
     plain_loop_ratio: float = 1.0
-    """Calibrated plain-loop step time over ``plain_in_loop_s``: a plain step inside the drafting loop also feeds the
-    drafter (on ``transformers`` hosts it measured up to 1.5 plain-loop steps), so its time is rescaled by this."""
+    """Calibrated plain-loop step time over ``plain_in_loop_s`` (a plain step inside the drafting loop also feeds the
+    drafter)."""
     calibrated_context: Optional[int] = None
     """The context length (tokens) the calibration decoded at."""
 
@@ -133,8 +133,8 @@ def candidate_options(max_depth: int, mtp_depth: int, cascaded: bool, trees: boo
 class AutoPolicy:
     """Chooses each step's draft option (see the module docstring)."""
 
-    def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]], learn_costs: bool = True) -> None:
-        self.memory, self.options, self.learn_costs = memory, options, learn_costs
+    def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]]) -> None:
+        self.memory, self.options = memory, options
         self.steps = 0
         self.plain_run = 0
         """Consecutive steps the policy chose a plain step (probes aside)."""
@@ -180,7 +180,7 @@ class AutoPolicy:
         return total
 
     def seconds(self, option: Optional[TreeShape]) -> float:
-        """Measured seconds of a step with ``option`` (calibration, then a running average); unmeasured: never."""
+        """Measured seconds of a step with ``option`` (the calibration's); unmeasured: never."""
         return self.memory.step_seconds.get("plain" if option is None else option.describe(), float("inf"))
 
     def rate(self, option: Optional[TreeShape]) -> float:
@@ -227,24 +227,17 @@ class AutoPolicy:
         self.last_tried[self.keys[best]] = self.steps
         return self.options[best]
 
-    def update(self, option: Optional[TreeShape], seconds: float, tokens_per_row: float,
-               accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8, timed: bool = True) -> None:
-        """Fold in one step: its wall time, tokens per active row, and (static trees) per depth the counts of
-        [rows whose parent was reached, accepted rank-0 children, rank-1 children, ...]. ``timed=False``: the step's
-        time is not its option's steady cost (a drafting step right after prefill or after plain steps also catches
-        the MTP modules up on the positions they skipped), so only its acceptance counts."""
-        memory, costs = self.memory, self.memory.costs
-        if option is None:  # plain: the plain loop's price, rescaled from the plain steps inside this loop
-            if self.learn_costs and timed and costs.plain_in_loop_s is not None:
-                costs.plain_in_loop_s = decay * costs.plain_in_loop_s + (1 - decay) * seconds
-                costs.step_seconds["plain"] = costs.plain_in_loop_s * costs.plain_loop_ratio
-                self._rates = None
+    def update(self, option: Optional[TreeShape], tokens_per_row: float,
+               accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8) -> None:
+        """Fold in one step's acceptance: tokens per active row, and (static trees) per depth the counts of [rows whose
+        parent was reached, accepted rank-0 children, rank-1 children, ...]. Step times are not learned here: they
+        come from the calibration (a running average of times taken during decoding drifts with the machine while
+        the plain price it is weighed against does not; measured, that made ``auto`` retire where chains paid)."""
+        if option is None:
             return
+        memory = self.memory
         index = self._index.get(option)
         key = self.keys[index] if index is not None else option.describe()
-        if self.learn_costs and timed:
-            old = memory.step_seconds.get(key, seconds)
-            memory.step_seconds[key] = decay * old + (1 - decay) * seconds
         self._rates = None
         if option.dynamic:
             memory.measured_tau[key] = decay * memory.measured_tau.get(key, tokens_per_row) + (

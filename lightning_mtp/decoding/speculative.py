@@ -324,19 +324,18 @@ def generate(
         )
     centre = int(lengths.max()) + config.max_new_tokens // 2  # the context this call decodes around
     if isinstance(policy, AutoSteps) and policy.needs_calibration(centre):
-        # the call's own mode (greedy or sampling: sampled trees cost more), its own random stream
+        # the call's own prompts and mode (greedy or sampling: sampled trees cost more), its own random stream
         calibration = replace(config, max_new_tokens=1, eos_token_id=None, seed=None)
 
-        def run(calibration_prompts: Tensor, new_tokens: int, plain: bool = False) -> Any:
+        def run(calibration_prompts: Tensor, rows: Tensor, new_tokens: int, plain: bool = False) -> Any:
             """Decode the calibration prompts with the policy's round robin, or (``plain``) in the plain loop."""
             calibration.max_new_tokens = new_tokens
-            rows = torch.full((calibration_prompts.shape[0],), calibration_prompts.shape[1], device=device)
             own = torch.Generator(device=device).manual_seed(0)
             if plain:
                 return decode(host, None, calibration_prompts, rows, calibration, own)
             return decode(host, drafter, calibration_prompts, rows, calibration, own, policy=policy)
 
-        calibrate_steps(policy, run, host.vocab_size, prompts.shape[0], host.max_context, device, centre)
+        calibrate_steps(policy, run, prompts, lengths, config.max_new_tokens, host.max_context)
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     new_tokens = out.new_tokens.clone()  # (B, N)

@@ -25,13 +25,13 @@ positions and every module's linear window grows by the tokens the row advanced 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mtp.decoding.drafting import drafter_buffers
-from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
+from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs, sample
 from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, static_layout, tree_attention_mask
 from lightning_mtp.layers import KVCache, attention_width
 
@@ -58,6 +58,15 @@ class _Candidates:
     parents: Tensor  # (B, G+1)
     depths: Tensor  # (B, G+1)
     scores: Tensor  # (B, G+1) cumulative draft log-probability (dynamic trees)
+
+
+class DepthNodes(NamedTuple):
+    """The tree part of one depth's call: nodes of depths 1..k-1 run as extra tokens (breadth-first)."""
+
+    tokens: Tensor  # (B, M) token of each node (-1 = absent: embedded as 0, never accepted)
+    depths: Tensor  # (B or 1, M) depth of each node
+    parent_hidden: Tensor  # (B, M, H) h_(k-1) at each node's parent
+    anc: Optional[Tensor]  # (B, M, M) ancestors-or-self among the nodes; None: a chain (consecutive, causal)
 
 
 class MTPTreeDrafter:
@@ -117,12 +126,11 @@ class MTPTreeDrafter:
         state.ran = 0
 
     # ------------------------------------------------------------------------------------------- one depth
-    def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor, cand: _Candidates,
-                   node_index: Tensor, node_hidden: Optional[Tensor],
-                   static_anc: Optional[Tensor] = None, chain: bool = False) -> tuple[Tensor, Tensor]:
-        """Run depth k over its linear window and the tree nodes ``node_index`` (B, M) (global indices, depths
-        1..k-1, breadth-first). Returns (root output (B, H), node outputs (B, M, H)). ``chain``: the nodes are a
-        chain, so the call is causal over consecutive positions (no tree mask)."""
+    def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor,
+                   nodes: Optional[DepthNodes] = None) -> tuple[Tensor, int]:
+        """Run depth k over its linear window and the tree ``nodes`` (depths 1..k-1, breadth-first; ``None``: none).
+        Returns the outputs (B, W + M, H) and W: index W - 1 is the root's (the last linear position), W.. the
+        nodes'."""
         rows = state.rows
         module = self.modules[self._module_index(k)]
         cache = state.caches[k - 1]
@@ -140,41 +148,47 @@ class MTPTreeDrafter:
         h_in = source[rows, linear]  # (B, W, H)
         emb = self.embed(tokens[rows, linear + k]) if self.cascaded else None  # Emb(t(j+k)), committed
         positions, slots, mask = linear, linear_slots, None
-        size = node_index.shape[1]
-        if size:
-            if static_anc is not None:  # static trees: this depth's nodes are 1..M (breadth-first)
-                parents = cand.parents[:, 1 : size + 1].expand(newest.shape[0], size)
-                node_tokens = cand.tokens[:, 1 : size + 1].clamp_min(0)
-                node_depths = cand.depths[:, 1 : size + 1]
-            else:
-                parents = cand.parents[rows, node_index]  # (B, M) global
-                node_tokens = cand.tokens[rows, node_index].clamp_min(0)
-                node_depths = cand.depths[rows, node_index]
-            h_in = torch.cat([h_in, node_hidden[rows, parents]], dim=1)  # h_(k-1) at each node's parent
-            emb = torch.cat([emb, self.embed(node_tokens)], dim=1)
-            node_raw = linear_end.unsqueeze(1) + node_depths  # (B, M), < 0 for the first steps of a short prompt
+        if nodes is not None:
+            size = nodes.tokens.shape[1]
+            h_in = torch.cat([h_in, nodes.parent_hidden], dim=1)
+            emb = torch.cat([emb, self.embed(nodes.tokens.clamp_min(0))], dim=1)
+            node_raw = linear_end.unsqueeze(1) + nodes.depths  # (B, M), < 0 for the first steps of a short prompt
             positions = torch.cat([linear, node_raw.clamp_min(0)], dim=1)
-            if chain:
-                # consecutive positions, causal (mask None): the nodes are written at their own positions, which lie
-                # beyond the linear end of every later step, so they are rewritten before anything reads them
+            if nodes.anc is None:
+                # a chain: consecutive positions, causal (mask None); the nodes are written at their own positions,
+                # which lie beyond the linear end of every later step, so they are rewritten before anything reads them
                 slots = torch.cat([linear_slots, torch.where(node_raw >= 0, node_raw, dump)], dim=1)
             else:
                 slots = torch.cat([linear_slots, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
-                if static_anc is not None:  # static trees: this depth's nodes are 1..M, their table is precomputed
-                    anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(newest.shape[0], size, size)
-                else:  # ancestors among this depth's nodes: the global table restricted to node_index
-                    anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1)
-                    anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))
                 # nodes before position 0 are nobody's key but their own (a query must see something)
                 own = torch.eye(size, dtype=torch.bool, device=newest.device)
-                anc = anc & ((node_raw >= 0).unsqueeze(1) | own)
+                anc = nodes.anc & ((node_raw >= 0).unsqueeze(1) | own)
                 used = attention_width(newest + (size - 1), cache.max_len)  # slots in use, rounded
                 mask = tree_attention_mask(linear_end, newest, anc, used, linear)  # (B, 1, W + M, used)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, cache, mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:
             state.hidden[k][rows, linear_slots] = out[:, :width]
-        return out[:, width - 1], out[:, width:]
+        return out, width
+
+    def _tree_nodes(self, state: TreeDraftState, k: int, cand: _Candidates, node_index: Tensor,
+                    node_hidden: Tensor, static_anc: Optional[Tensor], chain: bool) -> Optional[DepthNodes]:
+        """The tree part of depth k: the nodes ``node_index`` (B, M) (global indices) with h_(k-1) at their parents
+        and their ancestors among themselves (``None`` for a chain: consecutive positions, causal)."""
+        size = node_index.shape[1]
+        if not size:
+            return None
+        rows, batch = state.rows, node_index.shape[0]
+        if static_anc is not None:  # static trees: this depth's nodes are 1..M (breadth-first)
+            parents = cand.parents[:, 1 : size + 1].expand(batch, size)
+            node_tokens, node_depths = cand.tokens[:, 1 : size + 1], cand.depths[:, 1 : size + 1]
+            anc = None if chain else static_anc[:, 1 : size + 1, 1 : size + 1].expand(batch, size, size)
+        else:
+            parents = cand.parents[rows, node_index]  # (B, M) global
+            node_tokens, node_depths = cand.tokens[rows, node_index], cand.depths[rows, node_index]
+            anc_all = ancestors(cand.parents, k)  # (B, G+1, G+1): the global table restricted to node_index
+            anc = anc_all[rows, node_index].gather(2, node_index.unsqueeze(1).expand(-1, size, -1))
+        return DepthNodes(node_tokens, node_depths, node_hidden[rows, parents], anc)
 
     # ------------------------------------------------------------------------------------------- candidates
     def _candidates(self, logits: Tensor, count: int, params: SamplingParams, sampled: bool,
@@ -208,6 +222,8 @@ class MTPTreeDrafter:
         """Draft one tree of ``shape`` after every row's newest token (``tokens`` (B, L) holds committed tokens)."""
         if shape.depth > self.max_drafts:
             raise ValueError(f"tree depth {shape.depth} exceeds this call's drafter depth {self.max_drafts}")
+        if shape.is_chain:
+            return self._draft_chain(state, tokens, newest, shape.depth, params, generator)
         batch, device, rows = tokens.shape[0], tokens.device, state.rows
         sampled = not params.greedy and not shape.dynamic
         root = tokens.gather(1, newest.view(-1, 1))  # (B, 1)
@@ -222,8 +238,9 @@ class MTPTreeDrafter:
             _, static_anc, static_parents, static_depths = self.static_tables(shape, device)
         state.ran = 0
         for k in range(1, shape.depth + 1):
-            root_out, node_out = self._run_depth(state, k, tokens, newest, cand, module_nodes, node_hidden,
-                                                 static_anc, shape.is_chain)
+            nodes = self._tree_nodes(state, k, cand, module_nodes, node_hidden, static_anc, shape.is_chain)
+            out, linear_width = self._run_depth(state, k, tokens, newest, nodes)
+            root_out, node_out = out[:, linear_width - 1], out[:, linear_width:]
             state.ran = k
             size = cand.tokens.shape[1]
             if self.cascaded and static_anc is not None:  # nodes 1..M ran, in order; the frontier is their tail
@@ -279,6 +296,42 @@ class MTPTreeDrafter:
                 module_nodes = torch.cat([module_nodes, frontier], dim=1)
         tree = self._finish(cand, shape, draft_q)
         return tree if static_anc is None else tree._replace(anc=static_anc)
+
+    def _draft_chain(self, state: TreeDraftState, tokens: Tensor, newest: Tensor, depth: int,
+                     params: SamplingParams, generator: Optional[torch.Generator] = None) -> DraftTree:
+        """:meth:`draft` of ``TreeShape.chain(depth)`` without a tree's bookkeeping (the same calls and the same
+        drafts; ``auto`` takes chains more often than trees): depth k's nodes are the k-1 drafts so far, each
+        reading h_(k-1) at the one before it, which are the previous depth's outputs from its root on."""
+        device = tokens.device
+        chain = [tokens.gather(1, newest.view(-1, 1))]  # (B, 1) each: the root, then one draft per depth
+        probs: Optional[list[Tensor]] = None if params.greedy else []
+        previous: Optional[Tensor] = None  # (B, k-1, H) depth k-1's outputs at the root and its nodes
+        state.ran = 0
+        for k in range(1, depth + 1):
+            nodes = None
+            if self.cascaded and k > 1:
+                nodes = DepthNodes(torch.cat(chain[1:], dim=1), torch.arange(1, k, device=device).unsqueeze(0),
+                                   previous[:, : k - 1], None)
+            out, linear_width = self._run_depth(state, k, tokens, newest, nodes)
+            state.ran = k
+            previous = out[:, linear_width - 1 :]  # (B, k, H) cascaded; (B, 1, H) parallel: the root's only
+            logits = self.module.mtp_depth_logits(self._module_index(k) + 1, previous[:, -1])  # (B, V)
+            if probs is None:
+                token = logits.argmax(dim=-1)  # (B,)
+            else:
+                temperature = self.module.mtp_draft_temperatures[self._module_index(k)]
+                q = logits_to_probs(logits / temperature, params.temperature, params.top_k, params.top_p)  # (B, V)
+                token = sample(q, generator)
+                probs.append(q)
+            chain.append(token.unsqueeze(1))
+        node_tokens = torch.cat(chain, dim=1)  # (B, depth + 1)
+        batch = node_tokens.shape[0]
+        depths = torch.arange(depth + 1, device=device).expand(batch, -1)
+        parents = (depths - 1).clamp_min(0)
+        tree_probs = None
+        if probs is not None:  # at each node, the distribution of its child (the last node has none)
+            tree_probs = torch.stack(probs + [torch.zeros_like(probs[0])], dim=1).float()  # (B, depth + 1, V)
+        return DraftTree(node_tokens, parents, depths, tree_probs)
 
     def _finish(self, cand: _Candidates, shape: TreeShape, draft_q: list[tuple[Tensor, Tensor]]) -> DraftTree:
         """The step's tree (static: every candidate; dynamic: the ``nodes`` best, breadth-first)."""

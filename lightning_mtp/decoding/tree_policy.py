@@ -55,7 +55,6 @@ class AutoSteps:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
         self.calibration: Optional[RoundRobin] = None
-        self._previous: Any = "prefill"  # the previous step's option: a draft times its steady cost only after itself
 
     def needs_calibration(self, context: int) -> bool:
         """Whether the call (decoding around ``context`` tokens) must calibrate first
@@ -84,71 +83,53 @@ class AutoSteps:
         if self.calibration is not None:
             self.calibration.record(shape, seconds)
             return
-        # A draft right after prefill, plain steps or another option also catches the MTP modules up on positions
-        # they skipped or computed for another shape: only a repeat of the previous option shows its steady cost.
-        timed = shape is None or shape == self._previous
-        self._previous = shape
         if active_rows <= 0:
             return
-        if not self.tree_mode:
-            accepted = extra[:option]
-            ranks = []
-            for d in range(1, option + 1):
-                reached = active_rows if d == 1 else accepted[d - 2]
-                ranks.append([reached, accepted[d - 1]])
-        else:
-            accepted = extra[: self.max_depth]
+        accepted = extra[: self.max_depth] if self.tree_mode else extra[:option]
+        if shape is not None and shape.is_chain:  # depth d reached by the rows that accepted depth d-1
+            ranks = [[active_rows if d == 1 else accepted[d - 2], accepted[d - 1]] for d in range(1, shape.depth + 1)]
+        else:  # trees report, per depth: rows whose parent was reached, then accepted children by sibling rank
             flat = extra[self.max_depth:]
             width = MAX_RANK + 1
             depth = 0 if shape is None else shape.depth
             ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
         tokens = 1.0 + sum(accepted) / active_rows
-        self.policy.update(shape, seconds, tokens, ranks, timed=timed)
+        self.policy.update(shape, tokens, ranks)
 
 
-def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: int, batch: int, context: int,
-                    device: torch.device, centre: Optional[int] = None) -> None:
-    """Time every option on this machine and model: decode a random prompt taking, for every drafting option X in
-    turn, a plain step then X twice, X's second step timed against the plain step before it
-    (:class:`~lightning_mtp.decoding.auto.RoundRobin`: neighbouring steps, so drift on a shared machine cancels, and
-    steady decoding with X, no catch-up after another option), a warm-up round, then enough rounds for
-    ``CALIBRATION_SAMPLES`` timed steps, at least ``MIN_CALIBRATION_ROUNDS``; keep each option's price in the
-    policy's memory.
+def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, lengths: Tensor, new_tokens: int,
+                    context: int) -> None:
+    """Time every option on this machine and model, decoding the call's own prompts (its first
+    ``CALIBRATION_ROWS`` rows) as the call will: for every drafting option X in turn, a plain step then X twice, X's
+    second step timed against the plain step before it (:class:`~lightning_mtp.decoding.auto.RoundRobin`:
+    neighbouring steps, so drift on a shared machine cancels, and steady decoding with X, no catch-up after another
+    option); a warm-up round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
+    ``MIN_CALIBRATION_ROUNDS``. The decodes ("segments") run ``new_tokens`` tokens (at least
+    ``CALIBRATION_MIN_SEGMENT``) from the prompts, again and again until the rounds are done, so the steps are timed
+    at the call's context and with its acceptance: a step that accepts more drafts also recomputes more positions in
+    the MTP modules (on random tokens, which draft nothing acceptable, a chain of 3 measured 8% cheaper and a chain
+    of 2 12% dearer than in decoding). The plain decoding loop is timed on the same prompts, before and after.
 
-    ``centre``: the context length (tokens) the call decodes around, e.g. its longest prompt plus half its new tokens
-    (default: a quarter of ``context``, the longest allowed). The calibrated steps run there: the calibration's prompt
-    is as long as puts the middle of its decode at ``centre``, and the plain loop is timed at ``centre`` too (a step
-    at 200 tokens of context costs more than one at 40: attention reads every cached position, and at batch 8 that
-    moved the plain step by 25%).
-
-    ``run(prompts, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or sampling
-    settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes the
-    plain option's (:func:`plain_loop_step`); the plain steps the round robin took inside the drafting loop give
-    ``plain_in_loop_s``, and the two give ``plain_loop_ratio``.
+    ``run(prompts, lengths, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or
+    sampling settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes
+    the plain option's (:func:`plain_loop_samples`); the plain steps the round robin took inside the drafting loop
+    give ``plain_in_loop_s``, and the two give ``plain_loop_ratio``.
     """
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
-    centre = max(1, min(context // 4 if centre is None else centre, context - 1))
+    rows = min(prompts.shape[0], CALIBRATION_ROWS)
+    prompts, lengths = prompts[:rows], lengths[:rows]
+    longest = int(lengths.max())
+    segment = max(1, min(max(new_tokens, CALIBRATION_MIN_SEGMENT), context - longest))
     calibration = RoundRobin(options, rounds)
-    total_steps = rounds * len(calibration.sequence)
-    # decodes ("segments") of at most this many tokens, centred on `centre` where the context allows
-    segment = max(1, min(3 * total_steps // 2, 2 * centre, context - 1))
-    rows = min(batch, CALIBRATION_ROWS)
-    generator = torch.Generator(device=device).manual_seed(0)
     loop_samples: list[float] = []  # the plain decoding loop, timed before and after the round robin (drift)
     if None in options:
-        plain_steps = max(1, min(PLAIN_CALIBRATION_STEPS, context - 1))
-        plain_len = max(1, min(centre - plain_steps // 2, context - plain_steps - 1))
-        plain_prompts = torch.randint(0, vocab, (rows, plain_len), device=device, generator=generator)
-        loop_samples += plain_loop_samples(run, plain_prompts, plain_steps)
+        loop_samples += plain_loop_samples(run, prompts, lengths, segment)
     steps.calibration = calibration
     try:
         for _ in range(MAX_CALIBRATION_SEGMENTS):
             calibration.start_segment()
-            remaining = total_steps - calibration.steps  # steps left; a random prompt's drafts are mostly rejected
-            tokens = max(1, min(segment, remaining + remaining // 4 + 1))
-            prompt_len = max(1, min(centre - tokens // 2, context - tokens))  # the decode centred on `centre`
-            run(torch.randint(0, vocab, (rows, prompt_len), device=device, generator=generator), tokens)
+            run(prompts, lengths, segment)
             if calibration.done:
                 break
         measured = calibration.medians()
@@ -156,40 +137,41 @@ def calibrate_steps(steps: AutoSteps, run: Callable[[Tensor, int], Any], vocab: 
         steps.calibration = None
     costs = steps.policy.memory.costs
     if loop_samples:
-        loop_samples += plain_loop_samples(run, plain_prompts, plain_steps)
+        loop_samples += plain_loop_samples(run, prompts, lengths, segment)
         in_loop = measured.get("plain")
         measured["plain"] = sorted(loop_samples)[len(loop_samples) // 2]
         if in_loop:
             costs.plain_in_loop_s = in_loop
             costs.plain_loop_ratio = measured["plain"] / in_loop
     costs.step_seconds.update(measured)
-    costs.calibrated_context = centre
+    costs.calibrated_context = longest + segment // 2
 
 
-PLAIN_CALIBRATION_STEPS = 24
-"""Steps of the plain decoding loop timed by the calibration (three times; the median)."""
+CALIBRATION_MIN_SEGMENT = 64
+"""Calibration decodes run at least this many tokens (a call of few new tokens still gives several rounds)."""
 MAX_CALIBRATION_SEGMENTS = 16
 """At most this many calibration decodes (a short context holds few steps per decode)."""
 
 
-def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, steps: int, repeats: int = 2) -> list[float]:
+def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, lengths: Tensor, steps: int,
+                       repeats: int = 1) -> list[float]:
     """Seconds per step of the plain decoding loop on ``prompts``, ``repeats`` samples: the cost ``auto`` weighs drafts
     against, since where drafting does not pay it retires to that loop (a plain step inside the drafting loop also
     feeds the drafter and can cost more). Each sample is the difference between decoding ``steps + 1`` tokens and 1
     token (prefill and set-up cancel)."""
     if steps < 1:
-        return [float(run(prompts, 1, plain=True).stats.elapsed_s)]
+        return [float(run(prompts, lengths, 1, plain=True).stats.elapsed_s)]
     samples = []
     for _ in range(repeats):
-        short = run(prompts, 1, plain=True).stats.elapsed_s
-        long = run(prompts, steps + 1, plain=True).stats.elapsed_s
+        short = run(prompts, lengths, 1, plain=True).stats.elapsed_s
+        long = run(prompts, lengths, steps + 1, plain=True).stats.elapsed_s
         samples.append(max(long - short, 1e-9) / steps)
     return samples
 
 
-def plain_loop_step(run: Callable[..., Any], prompts: Tensor, steps: int) -> float:
+def plain_loop_step(run: Callable[..., Any], prompts: Tensor, lengths: Tensor, steps: int) -> float:
     """The median of three :func:`plain_loop_samples`."""
-    return sorted(plain_loop_samples(run, prompts, steps, repeats=3))[1]
+    return sorted(plain_loop_samples(run, prompts, lengths, steps, repeats=3))[1]
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
@@ -249,7 +231,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         # sampling decides from the calibration and this call's own acceptance only, never from timings taken
         # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
-    policy = AutoPolicy(memory, options, learn_costs=not config.sampling)
+    policy = AutoPolicy(memory, options)
     max_depth = max(o.depth for o in options if o is not None)
     if trees:
         drafter = MTPTreeDrafter(module, max_depth)

@@ -120,9 +120,10 @@ def tree_step(
 
 def rank_counts(drafter: MTPTreeDrafter, shape: TreeShape, verdict: TreeVerifyOutput, active: Tensor) -> Tensor:
     """(depth * (1 + MAX_RANK),) per depth d: active rows whose path reached depth d-1, then how many accepted the
-    rank-0, rank-1, ... candidate at depth d (static trees; zeros for dynamic ones)."""
+    rank-0, rank-1, ... candidate at depth d (static trees; zeros for dynamic ones; nothing for chains, whose
+    counts are the accepted drafts per depth of the step's summary)."""
     depth = shape.depth
-    if not drafter.report_ranks:
+    if not drafter.report_ranks or shape.is_chain:  # a chain's counts follow from the accepted drafts per depth
         return active.new_zeros(0, dtype=torch.long)
     counts = torch.zeros(depth, 1 + MAX_RANK, dtype=torch.long, device=active.device)
     if shape.dynamic:
