@@ -18,9 +18,9 @@ machine B: thin                2.33   2.16   2.16   2.12   1.99   2.86
 So nothing fixed is right everywhere: :func:`thin_path_pays` measures, once per process, weight shape, row bucket
 (1, 2, 4, ..., ``THIN_ROWS``) and thread count, both ways on a few copies of a weight of that shape (more bytes than a
 core's L2 cache, as a model's step streams its weights), and keeps the thin path only where it is at least
-``THIN_MARGIN`` faster. About a millisecond per shape and bucket; under ``torch.compile`` only decisions already
-measured are used (``F.linear`` otherwise). ``LIGHTNING_MTP_THIN_LINEAR=on`` / ``off`` forces a path (``auto``: the
-default, measured).
+``THIN_MARGIN`` faster. About a millisecond per shape and bucket. Graphs traced by ``torch.compile`` keep ``F.linear``
+(the decision is Python that a trace should not depend on). ``LIGHTNING_MTP_THIN_LINEAR=on`` / ``off`` forces a path
+(``auto``: the default, measured) in eager code.
 
 The two ways give the same products up to float summation order.
 
@@ -77,14 +77,14 @@ def row_bucket(rows: int) -> int:
 def thin_path_pays(in_features: int, out_features: int, rows: int) -> bool:
     """Whether :func:`thin_linear` beats ``F.linear`` for ``rows`` rows through a float32 (out, in) weight on this CPU
     (measured once per shape, row bucket and thread count; see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return False  # traced graphs keep F.linear: no timing (nor thread count, environment) inside a trace
     forced = os.environ.get(ENV, "auto").lower()
     if forced in ("on", "off"):
         return forced == "on"
     key = (in_features, out_features, row_bucket(rows), torch.get_num_threads())
     choice = _choices.get(key)
     if choice is None:
-        if torch.compiler.is_compiling():
-            return False  # no timing inside a trace; the eager decisions, once measured, are used
         choice = _choices[key] = measure(in_features, out_features, key[2]) <= THIN_MARGIN
     return choice
 

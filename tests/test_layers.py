@@ -71,6 +71,19 @@ def test_thin_path_is_measured_once_per_shape_bucket_and_threads(monkeypatch):
         small_matmul.clear()
 
 
+def test_a_traced_linear_has_no_graph_break(monkeypatch):
+    """Under torch.compile the path decision must not trace the timing (time.perf_counter is a graph break: every
+    Linear then became a frame of its own, recompiled per weight shape until dynamo's limit)."""
+    from lightning_mtp import small_matmul
+
+    monkeypatch.delenv(small_matmul.ENV, raising=False)
+    small_matmul.clear()
+    torch._dynamo.reset()
+    layer = Linear(32, 48)
+    explanation = torch._dynamo.explain(layer)(torch.randn(2, 32))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
 def test_the_measurement_times_both_paths_on_real_products():
     from lightning_mtp.small_matmul import LARGEST_MEASURED, measure
 

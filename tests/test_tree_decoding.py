@@ -297,12 +297,14 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
 
     options = [None, TreeShape.chain(1)]
     expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
-    evidence = {(1, 0): (0.6 * 40, 40.0)}  # tried often enough, accepted at the prior's rate
-    barely = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)}),
-                                   acceptance=dict(evidence)), options)
+    evidence = {(1, 0): (0.6 * 40, 40.0)}  # this call's drafts: tried often enough, accepted at the prior's rate
+    barely = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)})),
+                        options)
+    barely.memory.acceptance = dict(evidence)
     assert barely.next() is None  # faster than plain by less than the margin: plain
-    clearly = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)}),
-                                    acceptance=dict(evidence)), options)
+    clearly = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)})),
+                         options)
+    clearly.memory.acceptance = dict(evidence)
     assert clearly.next() == TreeShape.chain(1)
     choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
     assert choices.count(None) >= RETIRE_AFTER - 3 and barely.retired  # probes of the runner-up aside
@@ -312,8 +314,9 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
 def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
     from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
 
-    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": 10.0}), acceptance={(1, 0): (20.0, 40.0)})  # never pays
+    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": 10.0}))  # never pays: a hopeless retirement
     first = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    memory.acceptance = {(1, 0): (20.0, 40.0)}  # this call's drafts
     for _ in range(RETIRE_AFTER):
         first.next()
     assert first.retired and memory.retired_calls == 1
@@ -326,6 +329,26 @@ def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
         recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
     assert recheck.next() == TreeShape.chain(1) and memory.retired_calls == 0
     assert not AutoPolicy(memory, [None, TreeShape.chain(1)]).retired
+
+
+def test_a_close_retirement_leaves_the_next_call_to_decide_afresh():
+    """A call that retires while drafting was close to paying (within RETIRE_HOPELESS of plain) does not make the next
+    calls start plainly; at every call's start earlier acceptance counts weigh CALL_START_EVIDENCE tries, so the new
+    call drafts a few steps to learn its own prompts' acceptance."""
+    from lightning_mtp.decoding.auto import CALL_START_EVIDENCE, DRAFT_MARGIN, MIN_EVIDENCE, RETIRE_AFTER
+
+    expected_chain = 1 + 0.5
+    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.02)}))
+    first = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    memory.acceptance = {(1, 0): (0.5 * 40, 40.0)}  # just below the margin: plain, then retired
+    for _ in range(RETIRE_AFTER):
+        first.next()
+    assert first.retired and memory.retired_calls == 0  # close: no streak
+    second = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    hits, tried = memory.acceptance[(1, 0)]
+    assert tried == pytest.approx(CALL_START_EVIDENCE) and hits / tried == pytest.approx(0.5)
+    assert not second.retired and second.next() == TreeShape.chain(1)  # evidence < MIN_EVIDENCE: it drafts
+    assert CALL_START_EVIDENCE < MIN_EVIDENCE
 
 
 def test_a_call_retired_from_its_start_never_touches_the_drafter(models):
