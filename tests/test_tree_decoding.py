@@ -311,6 +311,18 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
     assert not clearly.retired
 
 
+def test_the_margin_grows_with_the_batch():
+    """A batch steps until its slowest row is done: a draft 10% better per row pays at batch 1, not at batch 8."""
+    from lightning_mtp.decoding.auto import BATCH_MARGIN, DRAFT_MARGIN
+
+    options = [None, TreeShape.chain(1)]
+    for batch, drafts in ((1, True), (8, False)):
+        policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 1.6 / 1.1})), options, batch)
+        policy.memory.acceptance = {(1, 0): (0.6 * 40, 40.0)}
+        assert (policy.next() is not None) == drafts, batch
+    assert AutoPolicy(AutoMemory(), options, 8).margin == pytest.approx(DRAFT_MARGIN * (1 + 3 * BATCH_MARGIN))
+
+
 def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
     from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
 

@@ -231,7 +231,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         # sampling decides from the calibration and this call's own acceptance only, never from timings taken
         # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
-    policy = AutoPolicy(memory, options)
+    policy = AutoPolicy(memory, options, batch)
     max_depth = max(o.depth for o in options if o is not None)
     if trees:
         drafter = MTPTreeDrafter(module, max_depth)
