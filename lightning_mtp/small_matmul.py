@@ -11,8 +11,8 @@ rows M                         1      2      4      8      16     32
 =============================  =====  =====  =====  =====  =====  =====
 machine A: ``F.linear``        3.07   3.76   4.04   3.54   4.19   5.70
 machine A: thin                1.51   1.46   1.49   2.46   4.07   5.66
-machine B: ``F.linear``        0.90   0.94   1.14   1.47   2.39   3.44
-machine B: thin                2.33   2.16   2.16   2.12   1.99   2.86
+machine B: ``F.linear``        1.16   1.20   1.39   1.71   2.86   3.71
+machine B: thin                2.49   2.32   2.22   2.26   2.20   3.01
 =============================  =====  =====  =====  =====  =====  =====
 
 So nothing fixed is right everywhere: :func:`thin_path_pays` measures, once per process, weight shape, row bucket
