@@ -4,13 +4,14 @@ A step that drafts a tree of N nodes and depth d costs one trunk forward over N+
 calls, and returns 1 + (expected accepted drafts) tokens per row. Plain decoding costs one forward of 1 token and
 returns 1. :class:`AutoPolicy` picks, before each step, the option with the most expected tokens per second:
 
-* **costs** are measured: at the first call for a model / batch size / device, a short calibration decodes a random
-  prompt taking every option in turn for several rounds (:class:`RoundRobin`, the median step time per option), at
-  the context length the call decodes at (step costs grow with the context: attention reads every cached position);
-  a call whose context is far from the calibrated one calibrates again. Each drafting option is timed against the
-  plain step just before it, so drift on a shared machine cancels; a plain step is priced at the plain decoding
-  loop's step time (timed too), since that is what retiring drafting gives. Prices are not updated during decoding:
-  a running average of step times drifts with the machine while the plain price it is weighed against does not;
+* **costs** are measured: at the first call for a model / batch size / device / mode, a short calibration decodes
+  the call's own prompts for its number of new tokens, taking every option in turn for several rounds
+  (:class:`RoundRobin`), so steps are timed at the call's context and with its acceptance (step costs grow with
+  both: attention reads every cached position, and accepted drafts make the MTP modules recompute more); a call
+  whose context is far from the calibrated one calibrates again. Each drafting option is timed against the plain
+  step just before it, so drift on a shared machine cancels; a plain step is priced at the plain decoding loop's
+  step time (timed too), since that is what retiring drafting gives. Prices are not updated during decoding: a
+  running average of step times drifts with the machine while the plain price it is weighed against does not;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average).
