@@ -327,7 +327,6 @@ def auto_memory(model) -> list[dict]:
             calibrated_context=costs.calibrated_context,
             plain_in_drafting_loop_in_plain_steps=(round(costs.plain_in_loop_s / unit, 3)
                                                    if costs.plain_in_loop_s else None),
-            plain_loop_ratio=round(costs.plain_loop_ratio, 3),
             step_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.step_seconds.items())},
             acceptance={f"depth {d} rank {r}": [round(hits, 2), round(tried, 2)]
                         for (d, r), (hits, tried) in sorted(memory.acceptance.items())},  # (accepted, tried)

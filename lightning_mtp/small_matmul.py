@@ -79,8 +79,10 @@ def thin_path_pays(in_features: int, out_features: int, rows: int) -> bool:
     (measured once per shape, row bucket and thread count; see the module docstring)."""
     if torch.compiler.is_compiling():
         return False  # traced graphs keep F.linear: no timing (nor thread count, environment) inside a trace
-    forced = os.environ.get(ENV, "auto").lower()
-    if forced in ("on", "off"):
+    forced = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if forced != "auto":
+        if forced not in ("on", "off"):
+            raise ValueError(f"${ENV} must be one of ('auto', 'on', 'off'), got {os.environ[ENV]!r}")
         return forced == "on"
     key = (in_features, out_features, row_bucket(rows), torch.get_num_threads())
     choice = _choices.get(key)

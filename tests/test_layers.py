@@ -44,6 +44,14 @@ def test_thin_path_when_forced_equals_f_linear(monkeypatch, mode):
     assert calls == ([1] if mode == "on" else [])
 
 
+def test_an_unknown_thin_path_setting_is_refused(monkeypatch):
+    from lightning_mtp import small_matmul
+
+    monkeypatch.setenv(small_matmul.ENV, "yes")
+    with pytest.raises(ValueError, match="LIGHTNING_MTP_THIN_LINEAR must be one of"):
+        Linear(8, 8)(torch.randn(2, 8))
+
+
 def test_thin_path_is_measured_once_per_shape_bucket_and_threads(monkeypatch):
     """``auto``: the path is chosen from a measurement on this machine, once per (in, out, row bucket, threads); the
     thin path only where it measured at most THIN_MARGIN of F.linear's time."""

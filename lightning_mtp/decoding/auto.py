@@ -90,11 +90,8 @@ class StepCosts:
     """option -> measured seconds of a decoding step with it (the calibration's); ``"plain"``: a step of the plain
     decoding loop."""
     plain_in_loop_s: Optional[float] = None
-    """Seconds of a plain step taken inside the drafting loop (calibration; reported, the policy prices plain steps at
-    the plain loop's ``step_seconds["plain"]``)."""
-    plain_loop_ratio: float = 1.0
-    """Calibrated plain-loop step time over ``plain_in_loop_s`` (a plain step inside the drafting loop also feeds the
-    drafter)."""
+    """Seconds of a plain step taken inside the drafting loop, which also feeds the drafter (calibration; reported:
+    the policy prices plain steps at the plain loop's ``step_seconds["plain"]``)."""
     calibrated_context: Optional[int] = None
     """The context length (tokens) the calibration decoded at."""
 

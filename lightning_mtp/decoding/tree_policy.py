@@ -113,7 +113,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
     ``run(prompts, lengths, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or
     sampling settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes
     the plain option's (:func:`plain_loop_samples`); the plain steps the round robin took inside the drafting loop
-    give ``plain_in_loop_s``, and the two give ``plain_loop_ratio``.
+    give ``plain_in_loop_s`` (reported beside it).
     """
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
@@ -138,11 +138,8 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
     costs = steps.policy.memory.costs
     if loop_samples:
         loop_samples += plain_loop_samples(run, prompts, lengths, segment)
-        in_loop = measured.get("plain")
+        costs.plain_in_loop_s = measured.get("plain")
         measured["plain"] = sorted(loop_samples)[len(loop_samples) // 2]
-        if in_loop:
-            costs.plain_in_loop_s = in_loop
-            costs.plain_loop_ratio = measured["plain"] / in_loop
     costs.step_seconds.update(measured)
     costs.calibrated_context = longest + segment // 2
 
@@ -167,11 +164,6 @@ def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, lengths: Tensor
         long = run(prompts, lengths, steps + 1, plain=True).stats.elapsed_s
         samples.append(max(long - short, 1e-9) / steps)
     return samples
-
-
-def plain_loop_step(run: Callable[..., Any], prompts: Tensor, lengths: Tensor, steps: int) -> float:
-    """The median of three :func:`plain_loop_samples`."""
-    return sorted(plain_loop_samples(run, prompts, lengths, steps, repeats=3))[1]
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,

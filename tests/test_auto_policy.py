@@ -1,0 +1,289 @@
+"""``speculative="auto"``: the policy (margins, retirement, evidence, acceptance learning) and its calibration (each
+option timed against the plain step before it, on the call's own prompts, at the call's context). Decoding with
+``auto`` is lossless like every other option: ``test_tree_decoding`` checks that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import alone, draftable_model, ragged_prompts, rows_of
+from test_tree_decoding import MixedSteps
+
+from lightning_mtp.decoding import GenerationConfig
+from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, StepCosts, candidate_options
+from lightning_mtp.decoding.tree import TreeShape
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"cascaded": draftable_model("cascaded")}
+
+
+def measured_policy() -> AutoPolicy:
+    """A policy whose step times are given: a step costs 1 + 0.25 per depth + 0.02 per node (plain: 1)."""
+    options = candidate_options(3, 3, True, True)
+    seconds = {"plain": 1.0}
+    for option in options[1:]:
+        seconds[option.describe()] = 1.0 + 0.25 * option.depth + 0.02 * option.num_nodes
+    return AutoPolicy(AutoMemory(StepCosts(seconds)), options)
+
+
+def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
+    policy = measured_policy()
+    option = policy.next()
+    assert option is not None  # the prior expects acceptance: it drafts
+    for _ in range(40):  # every draft rejected
+        ranks = [[1] + [0] * 8 for _ in range(option.depth)] if option is not None else None
+        policy.update(option, 1.0, ranks)
+        option = policy.next()
+    choices = [policy.next() for _ in range(48)]
+    assert choices.count(None) >= 45  # plain, but for the periodic probe of the runner-up
+
+
+def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices():
+    from lightning_mtp.decoding.auto import DRAFT_MARGIN, RETIRE_AFTER
+
+    options = [None, TreeShape.chain(1)]
+    expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
+    evidence = {(1, 0): (0.6 * 40, 40.0)}  # this call's drafts: tried often enough, accepted at the prior's rate
+    barely = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.01)})),
+                        options)
+    barely.memory.acceptance = dict(evidence)
+    assert barely.next() is None  # faster than plain by less than the margin: plain
+    clearly = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN + 0.05)})),
+                         options)
+    clearly.memory.acceptance = dict(evidence)
+    assert clearly.next() == TreeShape.chain(1)
+    choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
+    assert choices.count(None) >= RETIRE_AFTER - 3 and barely.retired  # probes of the runner-up aside
+    assert not clearly.retired
+
+
+def test_the_margin_grows_with_the_batch():
+    """A batch steps until its slowest row is done: a draft 10% better per row pays at batch 1, not at batch 8."""
+    from lightning_mtp.decoding.auto import BATCH_MARGIN, DRAFT_MARGIN
+
+    options = [None, TreeShape.chain(1)]
+    for batch, drafts in ((1, True), (8, False)):
+        policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 1.6 / 1.1})), options, batch)
+        policy.memory.acceptance = {(1, 0): (0.6 * 40, 40.0)}
+        assert (policy.next() is not None) == drafts, batch
+    assert AutoPolicy(AutoMemory(), options, 8).margin == pytest.approx(DRAFT_MARGIN * (1 + 3 * BATCH_MARGIN))
+
+
+def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():
+    from lightning_mtp.decoding.auto import RECHECK_EVERY, RETIRE_AFTER
+
+    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": 10.0}))  # never pays: a hopeless retirement
+    first = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    memory.acceptance = {(1, 0): (20.0, 40.0)}  # this call's drafts
+    for _ in range(RETIRE_AFTER):
+        first.next()
+    assert first.retired and memory.retired_calls == 1
+    later = [AutoPolicy(memory, [None, TreeShape.chain(1)]) for _ in range(2 * RECHECK_EVERY)]
+    fresh = [i for i, policy in enumerate(later, start=2) if not policy.retired]
+    assert fresh == [RECHECK_EVERY, 2 * RECHECK_EVERY]  # the calls that decide afresh
+    memory.step_seconds["chain1"] = 0.1  # now drafting pays: a recheck call drafts and clears the streak
+    recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    while memory.calls % RECHECK_EVERY:
+        recheck = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    assert recheck.next() == TreeShape.chain(1) and memory.retired_calls == 0
+    assert not AutoPolicy(memory, [None, TreeShape.chain(1)]).retired
+
+
+def test_a_close_retirement_leaves_the_next_call_to_decide_afresh():
+    """A call that retires while drafting was close to paying (within RETIRE_HOPELESS of plain) does not make the next
+    calls start plainly; at every call's start earlier acceptance counts weigh CALL_START_EVIDENCE tries, so the new
+    call drafts a few steps to learn its own prompts' acceptance."""
+    from lightning_mtp.decoding.auto import CALL_START_EVIDENCE, DRAFT_MARGIN, MIN_EVIDENCE, RETIRE_AFTER
+
+    expected_chain = 1 + 0.5
+    memory = AutoMemory(StepCosts({"plain": 1.0, "chain1": expected_chain / (DRAFT_MARGIN - 0.02)}))
+    first = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    memory.acceptance = {(1, 0): (0.5 * 40, 40.0)}  # just below the margin: plain, then retired
+    for _ in range(RETIRE_AFTER):
+        first.next()
+    assert first.retired and memory.retired_calls == 0  # close: no streak
+    second = AutoPolicy(memory, [None, TreeShape.chain(1)])
+    hits, tried = memory.acceptance[(1, 0)]
+    assert tried == pytest.approx(CALL_START_EVIDENCE) and hits / tried == pytest.approx(0.5)
+    assert not second.retired and second.next() == TreeShape.chain(1)  # evidence < MIN_EVIDENCE: it drafts
+    assert CALL_START_EVIDENCE < MIN_EVIDENCE
+
+
+def test_a_call_retired_from_its_start_never_touches_the_drafter(models):
+    """After a call retired drafting, the next calls (but every RECHECK_EVERY-th) decode plainly from the first step:
+    the drafter's caches are not even allocated, and the output still equals plain decoding."""
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    model = models["cascaded"]
+    input_ids, mask, prompts = ragged_prompts(seed=3)
+    expected = [alone(model, p, 24) for p in prompts]
+    model.generate(input_ids, 24, attention_mask=mask, speculative="auto")  # calibrates, sets up the memory
+    batch_memories = [m for key, m in model.__dict__["_mtp_auto_memory"].items() if key[1] == input_ids.shape[0]]
+    for memory in batch_memories:
+        memory.retired_calls, memory.calls = 1, 1  # as if a call had just retired (the next call is not a recheck)
+    allocations = []
+    allocate = MTPTreeDrafter.allocate
+    MTPTreeDrafter.allocate = lambda self, *a: allocations.append(1) or allocate(self, *a)
+    try:
+        out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
+    finally:
+        MTPTreeDrafter.allocate = allocate
+    assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24
+
+
+def test_auto_policy_drafts_until_it_has_evidence_of_the_acceptance():
+    from lightning_mtp.decoding.auto import MIN_EVIDENCE
+
+    policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 3.0})), [None, TreeShape.chain(1)])
+    choices = []
+    for _ in range(int(MIN_EVIDENCE) + 8):
+        option = policy.next()
+        choices.append(option)
+        if option is not None:  # every draft accepted, but a draft step costs 3 plain steps: plain is better
+            policy.update(option, 2.0, [[1, 1] + [0] * 7])
+    assert choices[: int(MIN_EVIDENCE)] == [TreeShape.chain(1)] * int(MIN_EVIDENCE)  # the prior alone says plain
+    assert choices[-4:] == [None] * 4
+
+
+class RetiringSteps(MixedSteps):
+    """Mixed steps, then retired (the decoding loop must finish plainly on the same caches)."""
+
+    def __init__(self, retire_after: int) -> None:
+        super().__init__()
+        self.retire_after = retire_after
+
+    @property
+    def retired(self) -> bool:
+        return self.steps >= self.retire_after
+
+
+def test_a_retired_policy_finishes_with_plain_steps(models):
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.speculative import decode, prepare_prompts
+    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
+
+    model = models["cascaded"]
+    input_ids, mask, prompts = ragged_prompts(seed=8)
+    expected = [alone(model, p, 40) for p in prompts]
+    host = decoding_host(model)
+    drafter = MTPTreeDrafter(model, 5)
+    prompts_, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
+    calls = []
+    draft = drafter.draft
+    drafter.draft = lambda *args, **kwargs: calls.append(1) or draft(*args, **kwargs)
+    out = decode(host, drafter, prompts_, lengths, GenerationConfig(max_new_tokens=40, speculative=True),
+                 policy=RetiringSteps(retire_after=6))
+    assert rows_of(out) == expected
+    assert len(calls) <= 6 and out.stats.main_forwards > 10  # drafting stopped; plain steps finished the call
+
+
+def test_auto_policy_drafts_deep_when_drafts_are_accepted():
+    policy = measured_policy()
+    for _ in range(40):  # the best candidate always accepted: a deep draft pays
+        option = policy.next()
+        ranks = None if option is None else [[1, 1] + [0] * 7 for _ in range(option.depth)]
+        policy.update(option, 1.0 + (option.depth if option else 0), ranks)
+    best = policy.next()
+    assert best is not None and best.depth == 3 and best.is_chain  # a wider tree adds nodes nobody accepts
+
+
+def test_plain_steps_are_priced_at_the_plain_loop_step_time():
+    """The calibration times the plain decoding loop (decode N+1 tokens minus decode 1: prefill cancels), and plain
+    steps taken inside the drafting loop do not move that price."""
+    from types import SimpleNamespace
+
+    from lightning_mtp.decoding.tree_policy import plain_loop_samples
+
+    calls = []
+
+    def run(prompts, lengths, new_tokens, plain=False):
+        calls.append((new_tokens, plain))
+        return SimpleNamespace(stats=SimpleNamespace(elapsed_s=0.5 + 0.01 * new_tokens))  # prefill 0.5 s
+
+    assert plain_loop_samples(run, None, None, 24, repeats=2) == pytest.approx([0.01, 0.01])
+    assert all(plain for _, plain in calls)
+
+
+def test_calibration_decodes_the_calls_own_prompts_and_again_far_from_their_context():
+    """The calibration decodes the call's own prompts for the call's number of new tokens (at least
+    CALIBRATION_MIN_SEGMENT), so its steps run at the call's context and acceptance; the plain loop is timed on them
+    too, and a call whose context is more than twice as long calibrates again."""
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.decoding import speculative
+    from lightning_mtp.decoding.auto import RECALIBRATE_CONTEXT
+    from lightning_mtp.decoding.tree_policy import CALIBRATION_MIN_SEGMENT
+    from lightning_mtp.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=512),
+                     MTPConfig(depth=2)).eval()
+    model.configure_model()
+    seen = []
+    original = speculative.calibrate_steps
+
+    def spy(steps, run, prompts, lengths, new_tokens, context):
+        def recording_run(calibration_prompts, rows, tokens, plain=False):
+            seen.append((calibration_prompts.clone(), rows.tolist(), tokens, plain))
+            return run(calibration_prompts, rows, tokens, plain=plain)
+        return original(steps, recording_run, prompts, lengths, new_tokens, context)
+
+    speculative.calibrate_steps = spy
+    try:
+        prompt = torch.arange(40).remainder(30).unsqueeze(0) + 1
+        model.generate(prompt, 100, speculative="auto")
+        (costs,) = [m.costs for m in model.__dict__["_mtp_auto_memory"].values()]
+        assert costs.calibrated_context == 40 + 100 // 2
+        drafting = [(p, rows, n) for p, rows, n, plain in seen if not plain]
+        assert drafting and all(torch.equal(p, prompt) and rows == [40] and n == 100 for p, rows, n in drafting)
+        assert any(plain and n == 101 and torch.equal(p, prompt) for p, _, n, plain in seen)  # the plain loop
+        assert costs.plain_in_loop_s is not None and costs.plain_in_loop_s > 0
+        seen.clear()
+        model.generate(prompt, 120, speculative="auto")  # centre 100: close enough, no calibration
+        assert seen == []
+        far = int(90 * RECALIBRATE_CONTEXT) + 100
+        model.generate(torch.arange(far).remainder(30).unsqueeze(0) + 1, 16, speculative="auto")
+        assert seen and all(n == CALIBRATION_MIN_SEGMENT for _, _, n, plain in seen if not plain)
+        assert costs.calibrated_context == far + CALIBRATION_MIN_SEGMENT // 2
+    finally:
+        speculative.calibrate_steps = original
+
+
+def test_calibration_times_each_option_against_the_plain_step_before_it():
+    """RoundRobin: per drafting option X a plain step then X twice; X's second step is timed as a ratio to that plain
+    step (drift cancels; the first X also catches up), the first round is warm-up, and a new decode starts at a
+    triple's first step."""
+    from lightning_mtp.decoding.auto import RoundRobin
+
+    options = [None, TreeShape.chain(1), TreeShape.chain(2)]
+    robin = RoundRobin(options, rounds=3)
+    taken = []
+    while not robin.done:
+        option = robin.next()
+        taken.append(option)
+        drift = 1.0 + 0.03 * len(taken)  # the machine slows down step by step (1.5x over the run)
+        robin.record(option, drift * {None: 1.0, TreeShape.chain(1): 2.0, TreeShape.chain(2): 3.0}[option])
+    assert taken == [None, TreeShape.chain(1), TreeShape.chain(1), None, TreeShape.chain(2), TreeShape.chain(2)] * 3
+    assert len(robin.plain) == 4 and len(robin.ratios["chain1"]) == 2, robin.ratios  # warm-up round left out
+    medians = robin.medians()
+    plain = medians["plain"]
+    assert medians["chain1"] / plain == pytest.approx(2.0, rel=0.1)  # despite the drift
+    assert medians["chain2"] / plain == pytest.approx(3.0, rel=0.1)
+    robin = RoundRobin(options, rounds=3)
+    robin.next()
+    robin.start_segment()  # a new prompt: the interrupted triple is abandoned, the next one starts with plain
+    assert robin.steps == 3 and robin.next() is None
+
+
+def test_prices_come_from_the_calibration_only(models):
+    """Decoding does not move the calibrated step prices (a running average of step times drifts with the machine
+    while the plain price it is weighed against does not): only the acceptance estimates learn."""
+    model = models["cascaded"]
+    model.__dict__.pop("_mtp_auto_memory", None)
+    input_ids, mask, _ = ragged_prompts(seed=5)
+    model.generate(input_ids, 8, attention_mask=mask, speculative="auto")
+    (memory,) = [m for key, m in model.__dict__["_mtp_auto_memory"].items() if key[1] == input_ids.shape[0]]
+    prices, acceptance = dict(memory.step_seconds), dict(memory.acceptance)
+    model.generate(input_ids, 32, attention_mask=mask, speculative="auto")
+    assert memory.step_seconds == prices and memory.acceptance != acceptance
