@@ -1,5 +1,6 @@
 """One process: a tiny glm4_moe host with native MTP layers fine-tuned under DeepSpeed ZeRO (CPU, gloo) with the
-weight schedule and depth warmup callbacks, then exported; writes ``result.json`` (run by ``tests/test_native_fine_tune.py``).
+weight schedule and depth warmup callbacks, then exported; writes ``result.json`` (run by
+``tests/test_native_fine_tune.py``).
 
 Usage: ``python tests/native_deepspeed_script.py STAGE OUT_DIR``
 """
