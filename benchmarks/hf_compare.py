@@ -22,6 +22,7 @@ Usage::
 
     python benchmarks/hf_compare.py                                          # default: about 4 minutes on 2 CPU cores
     python benchmarks/hf_compare.py --trunk-seconds 20 --heads-seconds 10 --prompts 2   # smoke test
+    python benchmarks/hf_compare.py --model-dir .cache/lightning_mtp/hf_compare    # train once, then reuse
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-bytes", type=int, default=3_000_000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_compare.json")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="keep the trained model here (trunk and heads) and reuse it when it is there, so that "
+                             "reruns decode the same model (the training time-boxes make each run's model differ)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -90,17 +94,31 @@ def main(argv: list[str] | None = None) -> dict:
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
-    # 1. The "already trained" HF model: next-token loss only (λ = 0; the one MTP depth is discarded).
-    trunk_model = HFCausalLM("llama", llama, mtp=MTPConfig(depth=1, loss_weight=0.0), learning_rate=3e-3,
-                             warmup_steps=20, attn_implementation="sdpa")
-    trunk_info = fit(trunk_model, data, args.trunk_seconds)
-    pretrained = Path(tempfile.mkdtemp()) / "tiny-llama"
-    trunk_model.trunk.save_pretrained(pretrained)
+    saved = args.model_dir / "heads.pt" if args.model_dir is not None else None
+    if saved is not None and saved.exists():
+        pretrained = args.model_dir / "tiny-llama"
+        model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
+                           attn_implementation="sdpa")
+        model.configure_model()  # builds the MTP modules, which the stored state fills
+        stored = torch.load(saved, weights_only=True)
+        model.load_state_dict(stored["state_dict"])
+        trunk_info, heads_info = stored["trunk_training"], stored["heads_training"]
+        print(f"reusing the model trained earlier in {args.model_dir}")
+    else:
+        # 1. The "already trained" HF model: next-token loss only (λ = 0; the one MTP depth is discarded).
+        trunk_model = HFCausalLM("llama", llama, mtp=MTPConfig(depth=1, loss_weight=0.0), learning_rate=3e-3,
+                                 warmup_steps=20, attn_implementation="sdpa")
+        trunk_info = fit(trunk_model, data, args.trunk_seconds)
+        pretrained = (args.model_dir or Path(tempfile.mkdtemp())) / "tiny-llama"
+        trunk_model.trunk.save_pretrained(pretrained)
 
-    # 2. Retrofit: heads only, on the frozen from_pretrained trunk.
-    model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
-                       learning_rate=3e-3, warmup_steps=20, attn_implementation="sdpa")
-    heads_info = fit(model, data, args.heads_seconds)
+        # 2. Retrofit: heads only, on the frozen from_pretrained trunk.
+        model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
+                           learning_rate=3e-3, warmup_steps=20, attn_implementation="sdpa")
+        heads_info = fit(model, data, args.heads_seconds)
+        if saved is not None:
+            torch.save({"state_dict": model.state_dict(), "trunk_training": trunk_info,
+                        "heads_training": heads_info}, saved)
     model.eval()
     hf = model.trunk
 
@@ -170,8 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
         targets[name] = {"target": 1.0, "measured": auto[key], "met": auto[key] >= 1.0}
         print(f"{'MET   ' if auto[key] >= 1.0 else 'MISSED'} {name}: {auto[key]:.2f} (target >= 1.0)")
     result = {
-        "setup": {**vars(args), "out": str(args.out), "model": llama, "torch_threads": torch.get_num_threads(),
-                  "tokens_per_decoder_run": tokens, "batch_size": 1,
+        "setup": {**vars(args), "out": str(args.out), "model_dir": args.model_dir and str(args.model_dir),
+                  "model": llama, "torch_threads": torch.get_num_threads(), "tokens_per_decoder_run": tokens,
+                  "batch_size": 1,
                   "tau_counts_bonus_token": True, "timing": "median over repeats of the whole prompt set"},
         "trunk_training": trunk_info, "heads_training": heads_info, "rows": rows,
         "targets": targets,

@@ -25,7 +25,7 @@ positions and every module's linear window grows by the tokens the row advanced 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +90,7 @@ class MTPTreeDrafter:
             )
         self.max_drafts = max_depth
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
-        self._static: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._static: dict[tuple, Any] = {}  # static trees' tables, window offsets, chain tables
         self.report_ranks = False
         """Whether tree steps report the accepted sibling ranks (``speculative="auto"`` learns from them)."""
 
@@ -299,23 +299,38 @@ class MTPTreeDrafter:
 
     def _draft_chain(self, state: TreeDraftState, tokens: Tensor, newest: Tensor, depth: int,
                      params: SamplingParams, generator: Optional[torch.Generator] = None) -> DraftTree:
-        """:meth:`draft` of ``TreeShape.chain(depth)`` without a tree's bookkeeping (the same calls and the same
-        drafts; ``auto`` takes chains more often than trees): depth k's nodes are the k-1 drafts so far, each
-        reading h_(k-1) at the one before it, which are the previous depth's outputs from its root on."""
-        device = tokens.device
+        """:meth:`draft` of ``TreeShape.chain(depth)``, computed as the chain drafter does
+        (:class:`~lightning_mtp.decoding.drafting.MTPDrafter`): the same drafts, without a tree's bookkeeping
+        (``auto`` takes chains more often than trees).
+
+        Depth k's call covers its linear window and the chain's k-1 nodes, which for a chain are the consecutive
+        positions ``n - k + 1 .. n - 1``: one causal window ending at ``n - 1``. Its inputs are read where the chain
+        drafter reads them: h_(k-1) from ``hidden[k-1]`` (depth k-1 wrote its whole window there, drafts included)
+        and the tokens from ``tokens``, into which each draft is written at ``n + k``. Entries past a depth's
+        linear end are draft-dependent: no linear part reads them before a later step recomputes them (commit)."""
+        device, rows = tokens.device, state.rows
         chain = [tokens.gather(1, newest.view(-1, 1))]  # (B, 1) each: the root, then one draft per depth
         probs: Optional[list[Tensor]] = None if params.greedy else []
-        previous: Optional[Tensor] = None  # (B, k-1, H) depth k-1's outputs at the root and its nodes
         state.ran = 0
         for k in range(1, depth + 1):
-            nodes = None
-            if self.cascaded and k > 1:
-                nodes = DepthNodes(torch.cat(chain[1:], dim=1), torch.arange(1, k, device=device).unsqueeze(0),
-                                   previous[:, : k - 1], None)
-            out, linear_width = self._run_depth(state, k, tokens, newest, nodes)
+            module = self.modules[self._module_index(k)]
+            cache = state.caches[k - 1]
+            size = state.windows[k - 1] + (k - 1 if self.cascaded else 0)  # linear window + the chain's nodes
+            raw = newest.unsqueeze(1) + self._window_steps(size, device)  # (B, W) positions n-W .. n-1; < 0: none
+            positions = raw.clamp_min(0)
+            # positions < 0 (a prompt shorter than the depth) exist in no sequence: the cache's last slot, unseen
+            slots = torch.where(raw >= 0, raw, cache.max_len - 1)
+            if self.cascaded:
+                h_in = state.hidden[k - 1][rows, positions]  # (B, W, H) h_(k-1), depth k-1's drafts included
+                emb = self.embed(tokens[rows, positions + k])  # (B, W, H) Emb(t(j+k)), drafts beyond n
+            else:
+                h_in, emb = state.hidden[0][rows, positions], None  # (B, W, H) h_0
+            cos, sin = self.module.mtp_rope(size, positions)
+            out = module(h_in, emb, cos, sin, slots, cache)  # (B, W, H), causal
             state.ran = k
-            previous = out[:, linear_width - 1 :]  # (B, k, H) cascaded; (B, 1, H) parallel: the root's only
-            logits = self.module.mtp_depth_logits(self._module_index(k) + 1, previous[:, -1])  # (B, V)
+            if self.cascaded and k < self.max_drafts:
+                state.hidden[k][rows, slots] = out
+            logits = self.module.mtp_depth_logits(self._module_index(k) + 1, out[:, -1])  # (B, V) at n - 1
             if probs is None:
                 token = logits.argmax(dim=-1)  # (B,)
             else:
@@ -323,15 +338,31 @@ class MTPTreeDrafter:
                 q = logits_to_probs(logits / temperature, params.temperature, params.top_k, params.top_p)  # (B, V)
                 token = sample(q, generator)
                 probs.append(q)
+            if self.cascaded and k < depth:
+                tokens.scatter_(1, (newest + k).unsqueeze(1), token.unsqueeze(1))  # depth k+1 embeds it
             chain.append(token.unsqueeze(1))
         node_tokens = torch.cat(chain, dim=1)  # (B, depth + 1)
         batch = node_tokens.shape[0]
-        depths = torch.arange(depth + 1, device=device).expand(batch, -1)
-        parents = (depths - 1).clamp_min(0)
+        depths, parents = self._chain_tables(depth, device)
         tree_probs = None
         if probs is not None:  # at each node, the distribution of its child (the last node has none)
             tree_probs = torch.stack(probs + [torch.zeros_like(probs[0])], dim=1).float()  # (B, depth + 1, V)
-        return DraftTree(node_tokens, parents, depths, tree_probs)
+        return DraftTree(node_tokens, parents.expand(batch, -1), depths.expand(batch, -1), tree_probs)
+
+    def _window_steps(self, size: int, device: torch.device) -> Tensor:
+        """(size,) offsets -size .. -1 (cached)."""
+        key = ("window", size, str(device))
+        if key not in self._static:
+            self._static[key] = torch.arange(-size, 0, device=device)
+        return self._static[key]
+
+    def _chain_tables(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(depths, parents), each (1, depth + 1), of a chain (cached)."""
+        key = ("chain", depth, str(device))
+        if key not in self._static:
+            depths = torch.arange(depth + 1, device=device).unsqueeze(0)
+            self._static[key] = (depths, (depths - 1).clamp_min(0))
+        return self._static[key]
 
     def _finish(self, cand: _Candidates, shape: TreeShape, draft_q: list[tuple[Tensor, Tensor]]) -> DraftTree:
         """The step's tree (static: every candidate; dynamic: the ``nodes`` best, breadth-first)."""
