@@ -10,7 +10,14 @@ from test_decoding import alone, draftable_model, ragged_prompts, rows_of
 from test_tree_decoding import MixedSteps
 
 from lightning_mtp.decoding import GenerationConfig
-from lightning_mtp.decoding.auto import AutoMemory, AutoPolicy, StepCosts, candidate_options
+from lightning_mtp.decoding.auto import (
+    CLOSE_PROBE_EVERY,
+    DRAFT_MARGIN,
+    AutoMemory,
+    AutoPolicy,
+    StepCosts,
+    candidate_options,
+)
 from lightning_mtp.decoding.tree import TreeShape
 
 
@@ -41,7 +48,7 @@ def test_auto_policy_prefers_plain_when_drafts_are_never_accepted():
 
 
 def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices():
-    from lightning_mtp.decoding.auto import DRAFT_MARGIN, RETIRE_AFTER
+    from lightning_mtp.decoding.auto import RETIRE_AFTER
 
     options = [None, TreeShape.chain(1)]
     expected_chain = 1 + 0.6  # the prior acceptance of depth 1, rank 0
@@ -55,8 +62,31 @@ def test_auto_policy_needs_a_margin_over_plain_and_retires_after_plain_choices()
     clearly.memory.acceptance = dict(evidence)
     assert clearly.next() == TreeShape.chain(1)
     choices = [barely.next() for _ in range(RETIRE_AFTER - 1)]
-    assert choices.count(None) >= RETIRE_AFTER - 3 and barely.retired  # probes of the runner-up aside
+    probes = RETIRE_AFTER // CLOSE_PROBE_EVERY + 1  # a close call is probed now and then (and the runner-up)
+    assert choices.count(None) >= RETIRE_AFTER - 1 - probes and barely.retired
     assert not clearly.retired
+
+
+def test_a_close_call_is_probed_and_its_evidence_can_turn_the_choice():
+    """Plain wins by a little: every CLOSE_PROBE_EVERY-th plain choice drafts once; when those drafts are accepted
+    the estimate rises and drafting resumes. A hopeless option is not probed that way."""
+    options = [None, TreeShape.chain(1)]
+    policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 1.6 / (DRAFT_MARGIN - 0.02)})), options)
+    policy.memory.acceptance = {(1, 0): (0.6 * 20, 20.0)}
+    choices = []
+    for _ in range(8 * CLOSE_PROBE_EVERY):
+        option = policy.next()
+        choices.append(option)
+        if option is not None:
+            policy.update(option, 2.0, [[1, 1]])  # the probe's draft is accepted
+        if len(choices) > CLOSE_PROBE_EVERY and all(c is not None for c in choices[-2:]):
+            break
+    assert choices[: CLOSE_PROBE_EVERY - 1] == [None] * (CLOSE_PROBE_EVERY - 1)
+    assert choices[CLOSE_PROBE_EVERY - 1] == TreeShape.chain(1)  # the probe
+    assert choices[-2:] == [TreeShape.chain(1)] * 2  # accepted probes turned it: it drafts again
+    hopeless = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 3.0})), options)
+    hopeless.memory.acceptance = {(1, 0): (0.6 * 40, 40.0)}
+    assert [hopeless.next() for _ in range(2 * CLOSE_PROBE_EVERY)] == [None] * (2 * CLOSE_PROBE_EVERY)
 
 
 def test_the_margin_grows_with_the_batch():
@@ -250,30 +280,45 @@ def test_calibration_decodes_the_calls_own_prompts_and_again_far_from_their_cont
         speculative.calibrate_steps = original
 
 
-def test_calibration_times_each_option_against_the_plain_step_before_it():
-    """RoundRobin: per drafting option X a plain step then X twice; X's second step is timed as a ratio to that plain
-    step (drift cancels; the first X also catches up), the first round is warm-up, and a new decode starts at a
-    triple's first step."""
+def test_calibration_times_each_option_against_a_steady_plain_step():
+    """RoundRobin: per drafting option X three plain steps then X twice; X's second step is timed as a ratio to the
+    third plain step (drift cancels; the first steps of a kind also pay for the switch: the MTP modules catch up, the
+    plain steps after a draft run colder), the first round is warm-up, a new decode starts at a pattern's first step,
+    and a refinement adds rounds over the contenders to the same samples."""
     from lightning_mtp.decoding.auto import RoundRobin
 
     options = [None, TreeShape.chain(1), TreeShape.chain(2)]
+    cost = {None: 1.0, TreeShape.chain(1): 2.0, TreeShape.chain(2): 3.0}
     robin = RoundRobin(options, rounds=3)
     taken = []
-    while not robin.done:
-        option = robin.next()
-        taken.append(option)
-        drift = 1.0 + 0.03 * len(taken)  # the machine slows down step by step (1.5x over the run)
-        robin.record(option, drift * {None: 1.0, TreeShape.chain(1): 2.0, TreeShape.chain(2): 3.0}[option])
-    assert taken == [None, TreeShape.chain(1), TreeShape.chain(1), None, TreeShape.chain(2), TreeShape.chain(2)] * 3
+
+    def run_rounds():
+        previous = None
+        while not robin.done:
+            option = robin.next()
+            taken.append(option)
+            drift = 1.0 + 0.03 * len(taken)  # the machine slows down step by step (1.5x over the run)
+            switch = 1.5 if option != previous else 1.0  # the first step after another kind costs more, ...
+            switch *= 1.2 if option is None and len(taken) % 5 == 2 else 1.0  # ... and the second plain one too
+            robin.record(option, drift * switch * cost[option])
+            previous = option
+
+    run_rounds()
+    c1, c2 = TreeShape.chain(1), TreeShape.chain(2)
+    assert taken == [None, None, None, c1, c1, None, None, None, c2, c2] * 3
     assert len(robin.plain) == 4 and len(robin.ratios["chain1"]) == 2, robin.ratios  # warm-up round left out
     medians = robin.medians()
-    plain = medians["plain"]
-    assert medians["chain1"] / plain == pytest.approx(2.0, rel=0.1)  # despite the drift
-    assert medians["chain2"] / plain == pytest.approx(3.0, rel=0.1)
+    assert medians["chain1"] == pytest.approx(2.0, rel=0.1)  # ratios to the steady plain step, despite the drift
+    assert medians["chain2"] == pytest.approx(3.0, rel=0.1)  # and the switches
+    taken.clear()
+    robin.refine([None, c2], rounds=2)
+    run_rounds()
+    assert taken == [None, None, None, c2, c2] * 2  # no warm-up: both rounds timed
+    assert len(robin.ratios["chain2"]) == 4 and len(robin.ratios["chain1"]) == 2
     robin = RoundRobin(options, rounds=3)
     robin.next()
-    robin.start_segment()  # a new prompt: the interrupted triple is abandoned, the next one starts with plain
-    assert robin.steps == 3 and robin.next() is None
+    robin.start_segment()  # a new prompt: the interrupted pattern is abandoned, the next one starts with plain
+    assert robin.steps == 5 and robin.next() is None
 
 
 def test_prices_come_from_the_calibration_only(models):

@@ -41,7 +41,8 @@ from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 CALIBRATION_ROWS = 32
 """Calibration decodes at most this many rows (a larger batch is timed at this size)."""
 PRIOR_ACCEPTANCE = 0.6
-"""Prior probability that the best candidate of a depth is accepted given its parent (rank r: prior / (r + 1)^2)."""
+"""Prior probability that the best candidate of depth 1 is accepted (rank r: prior / (r + 1)^2); a deeper depth's prior
+is the estimate of the depth above."""
 PRIOR_WEIGHT = 4.0
 """How many observations the prior acceptance is worth."""
 FORGET = 0.98
@@ -64,6 +65,12 @@ RETIRE_AFTER = PROBE_EVERY
 """After this many consecutive plain choices (a probe of the runner-up among them) the call stops drafting: the rest
 of it runs the plain decoding loop, without the drafter's bookkeeping. (Twice as many cost sampling at batch 8, where
 no draft pays, 3-7% against plain: each plain step inside the drafting loop is 2-5% dearer than the plain loop's.)"""
+CLOSE_PROBE_EVERY = 4
+"""While plain steps win but the best drafting option's expected rate is within ``RETIRE_HOPELESS`` of what it must
+reach, every this many plain choices that option is taken once: near break-even a probe costs about nothing, and at
+batch 1 the estimate after a few steps of a new prompt is noisy (measured on the ``transformers`` host: calls
+switched to plain after 8 steps where drafting paid 7-10%, and only the probe every ``PROBE_EVERY`` steps could
+bring them back)."""
 RECHECK_EVERY = 8
 """Once calls retire, the following ones decode plainly from the start, but every this many calls one decides afresh
 (the prompts, and so the acceptance, may have changed)."""
@@ -76,7 +83,12 @@ CALL_START_EVIDENCE = MIN_EVIDENCE / 2
 differ, and with fewer than ``MIN_EVIDENCE`` tries the call drafts a few steps to learn its own acceptance."""
 CALIBRATION_SAMPLES = 48
 """Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
-MIN_CALIBRATION_ROUNDS = 4
+MIN_CALIBRATION_ROUNDS = 3
+REFINE_OPTIONS = 3
+"""After the rounds over every option, calibration times the best this many (by expected rate) again, ..."""
+REFINE_ROUNDS = 8
+"""... for this many more rounds: their prices decide, and a median of 4 paired ratios was measured up to 10% off
+(on the transformers host, where the best chain pays 5-8%, that flipped ``auto`` between 0.94x and 1.05x)."""
 RECALIBRATE_CONTEXT = 2.0
 """A call whose context is more than this many times the calibrated one (or less than its inverse) calibrates again."""
 
@@ -90,8 +102,8 @@ class StepCosts:
     """option -> measured seconds of a decoding step with it (the calibration's); ``"plain"``: a step of the plain
     decoding loop."""
     plain_in_loop_s: Optional[float] = None
-    """Seconds of a plain step taken inside the drafting loop, which also feeds the drafter (calibration; reported:
-    the policy prices plain steps at the plain loop's ``step_seconds["plain"]``)."""
+    """Seconds of a steady plain step taken inside the drafting loop, which also feeds the drafter (calibration;
+    reported: drafting options are priced by their ratio to it, times the plain loop's ``step_seconds["plain"]``)."""
     calibrated_context: Optional[int] = None
     """The context length (tokens) the calibration decoded at."""
 
@@ -176,10 +188,18 @@ class AutoPolicy:
 
     def _acceptance(self, depth: int, rank: int) -> float:
         """P(rank-``rank`` candidate at ``depth`` accepted | parent accepted): the counts with a prior worth
-        ``PRIOR_WEIGHT`` observations, so that a few rejections at batch 1 cannot lock the policy into plain steps."""
-        prior = PRIOR_ACCEPTANCE / (rank + 1) ** 2
+        ``PRIOR_WEIGHT`` observations at first, so that a few rejections at batch 1 cannot lock the policy into plain
+        steps, fading as tries accumulate (``PRIOR_WEIGHT² / (PRIOR_WEIGHT + tried)``): once earlier calls have
+        measured the acceptance, a fixed prior would only pull it towards 0.6 (measured on the ``transformers`` host,
+        where depth 1 accepts 88%: at each call's start the estimate was 0.77, below what a draft needed). The
+        prior of a depth below the first is the estimate of the depth above (its best candidate's): a depth rarely
+        drafted is expected to accept like its parent (measured on that host: 0.74 and 0.93 at depths 2 and 3 given
+        the depth above, where a flat 0.6 kept the chain of 3, 1.10x, from ever being chosen)."""
+        base = PRIOR_ACCEPTANCE if depth <= 1 else self._acceptance(depth - 1, 0)
+        prior = base / (rank + 1) ** 2
         hits, tried = self.memory.acceptance.get((depth, rank), (0.0, 0.0))
-        return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        weight = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + tried)
+        return (hits + prior * weight) / (tried + weight)
 
     def expected_tokens(self, option: Optional[TreeShape]) -> float:
         """1 + expected accepted drafts per row. A static tree's nodes at depth d are every combination of ranks,
@@ -223,6 +243,17 @@ class AutoPolicy:
             rates.append(tokens / seconds.get(key, float("inf")))
         return rates
 
+    def contenders(self, step_seconds: dict[str, float], count: int) -> list[TreeShape]:
+        """The ``count`` drafting options with the best expected rate at prices ``step_seconds`` (best first)."""
+        saved = self.memory.costs.step_seconds
+        self.memory.costs.step_seconds = step_seconds
+        try:
+            rates = self._all_rates()
+        finally:
+            self.memory.costs.step_seconds = saved
+        ranked = sorted((i for i, o in enumerate(self.options) if o is not None), key=lambda i: -rates[i])
+        return [self.options[i] for i in ranked[:count]]
+
     @property
     def retired(self) -> bool:
         """Whether drafting has stopped paying for long enough that the call should decode plainly from now on."""
@@ -237,15 +268,18 @@ class AutoPolicy:
         plain = 0 if self.options[0] is None else None
         if plain is not None and best != plain and rates[best] < self.margin * rates[plain]:
             best = plain
-        if best == plain and len(self.options) > 1 and self.evidence() < MIN_EVIDENCE:
-            best = max(range(1, len(self.options)), key=rates.__getitem__)  # explore: learn the acceptance first
+        drafting = max(range(1, len(self.options)), key=rates.__getitem__) if len(self.options) > 1 else None
+        if best == plain and drafting is not None and self.evidence() < MIN_EVIDENCE:
+            best = drafting  # explore: learn the acceptance first
         self.plain_run = self.plain_run + 1 if best == plain else 0
+        if (best == plain and drafting is not None and self.plain_run % CLOSE_PROBE_EVERY == 0
+                and rates[drafting] >= RETIRE_HOPELESS * self.margin * rates[plain]):
+            best = drafting  # a close call: the probe costs about nothing and its evidence may turn the choice
         if self.plain_run == RETIRE_AFTER:
             # This call retires. The next ones start plainly only when drafting looked clearly unprofitable; where
             # it was close (its rate within RETIRE_HOPELESS of plain's), another prompt may well pay, so they decide
             # afresh (measured: one harder prompt retired auto for the next six, where a chain of 2 gave 1.29x).
-            drafting = max((rate for rate, option in zip(rates, self.options) if option is not None), default=0.0)
-            hopeless = drafting < RETIRE_HOPELESS * self.margin * rates[plain]
+            hopeless = drafting is None or rates[drafting] < RETIRE_HOPELESS * self.margin * rates[plain]
             self.memory.retired_calls = self.memory.retired_calls + 1 if hopeless else 0
         elif self.plain_run == 0:
             self.memory.retired_calls = 0
@@ -282,24 +316,40 @@ class AutoPolicy:
 
 
 class RoundRobin:
-    """Calibration policy: for every drafting option X in turn, a plain step then X twice, each round; X's second step
-    is timed against the plain step just before it.
+    """Calibration policy: for every drafting option X in turn, three plain steps then X twice, each round; X's second
+    step is timed against the third plain step, three steps before it.
 
-    The ratio of two neighbouring steps cancels what drifts on a shared machine (measured here: the same step costs up
-    to 15% more or less from one tenth of a second to the next), which timing the options one after another does not.
-    The first X of a pair is not timed: after another option (or a new prompt) it also catches the MTP modules up on
-    positions they skipped, which steady decoding with X does not. The first round is warm-up. The plain steps'
-    median gives the plain step inside the drafting loop; each option's price is its median ratio times that.
+    The ratio of two near steps cancels what drifts on a shared machine (measured here: the same step costs up to 15%
+    more or less from one tenth of a second to the next), which timing the options one after another does not. Only
+    steady steps are timed: a plain step soon after drafting steps runs colder (on the 12-layer benchmark model the
+    first plain step after a chain of 2 measured 5% dearer than steady plain steps, the second 4.5%, the third 1-3%;
+    on the ``transformers`` host the first 17%), and the first X after plain steps also catches the MTP modules up on
+    the positions they skipped, which steady decoding with X does not. The first round is warm-up. ``medians()`` gives
+    each option's median ratio; the timed plain steps' median is reported.
     """
+
+    PATTERN = 5
+    """Steps per option and round: plain, plain, plain, X, X."""
 
     def __init__(self, options: list[Optional[TreeShape]], rounds: int = 3) -> None:
         self.options, self.rounds = options, rounds
-        self.drafting = [o for o in options if o is not None]
-        self.sequence = [step for o in self.drafting for step in (None, o, o)] or [None]  # one round
+        self._set_sequence(options)
+        self.warmup = len(self.sequence)
+        """Steps not timed at the start (the first round)."""
         self.plain: list[float] = []
         self.ratios: dict[str, list[float]] = {}
         self.steps = 0
         self._last_plain: Optional[float] = None
+
+    def _set_sequence(self, options: list[Optional[TreeShape]]) -> None:
+        self.drafting = [o for o in options if o is not None]
+        self.sequence = [step for o in self.drafting for step in (None, None, None, o, o)] or [None] * self.PATTERN
+
+    def refine(self, options: list[Optional[TreeShape]], rounds: int) -> None:
+        """Go on for ``rounds`` more rounds over ``options`` only (the contenders), adding to the same samples (no
+        warm-up: the machine and model are warm)."""
+        self._set_sequence(options)
+        self.rounds, self.steps, self.warmup, self._last_plain = rounds, 0, 0, None
 
     def next(self) -> Optional[TreeShape]:
         option = self.sequence[self.steps % len(self.sequence)]
@@ -308,17 +358,18 @@ class RoundRobin:
 
     def record(self, option: Optional[TreeShape], seconds: float) -> None:
         step = self.steps - 1  # the step just taken
-        warm = step < len(self.sequence)
+        place = step % self.PATTERN
+        timed = step >= self.warmup
         if option is None:
-            self._last_plain = seconds
-            if not warm:
+            self._last_plain = seconds if place == 2 else None  # the third plain step: steady
+            if place == 2 and timed:
                 self.plain.append(seconds)
-        elif step % 3 == 2 and not warm and self._last_plain:  # the second X after its plain step
+        elif place == 4 and timed and self._last_plain:  # the second X, against the third plain step
             self.ratios.setdefault(option.describe(), []).append(seconds / self._last_plain)
 
     def start_segment(self) -> None:
-        """A new calibration decode starts (prefill): begin at the next plain-X-X triple."""
-        self.steps = -(-self.steps // 3) * 3
+        """A new calibration decode starts (prefill): begin at the next pattern's first step."""
+        self.steps = -(-self.steps // self.PATTERN) * self.PATTERN
         self._last_plain = None
 
     @property
@@ -326,13 +377,12 @@ class RoundRobin:
         return self.steps >= self.rounds * len(self.sequence)
 
     def medians(self) -> dict[str, float]:
-        """Seconds per option: ``"plain"`` the median plain step inside the drafting loop, each drafting option its
-        median ratio times that."""
+        """Per drafting option its median ratio to the steady plain step; ``"plain"``: the steady plain steps' median
+        seconds (inside the drafting loop)."""
         if not self.plain:
             return {}
-        plain = _median(self.plain)
-        out = {"plain": plain}
-        out.update({key: _median(values) * plain for key, values in self.ratios.items()})
+        out = {"plain": _median(self.plain)}
+        out.update({key: _median(values) for key, values in self.ratios.items()})
         return out
 
 

@@ -48,6 +48,8 @@ class TreeDraftState:
     """(B, 1) row indices."""
     ran: int = 0
     """Depths drafted in the current step."""
+    chained: bool = False
+    """Whether the current step drafted a chain (its nodes are entries at their own positions, see :meth:`commit`)."""
 
 
 @dataclass
@@ -120,10 +122,20 @@ class MTPTreeDrafter:
         state.hidden[0][state.rows, positions] = hidden.to(state.hidden.dtype)
 
     def commit(self, state: TreeDraftState, advanced: int) -> None:
-        """Every row's newest token moved by at most ``advanced`` positions."""
+        """Every row's newest token moved by at most ``advanced`` positions.
+
+        A depth that ran recomputes the ``advanced`` linear positions its linear end moved by, except after a chain
+        (cascaded): its k-1 nodes were computed at their own positions ``n-k+1 .. n-1`` and those whose drafts were
+        all accepted stay valid (as in the chain drafter), so only ``max(advanced - k + 1, 1)`` remain: with ``a``
+        accepted-plus-bonus tokens, entries up to ``n + a - 1 - k`` read accepted tokens only."""
         for k in range(self.max_drafts):
-            state.windows[k] = advanced if k < state.ran else state.windows[k] + advanced
-        state.ran = 0
+            if k >= state.ran:
+                state.windows[k] += advanced
+            elif state.chained and self.cascaded:
+                state.windows[k] = max(advanced - k, 1)  # depth k + 1
+            else:
+                state.windows[k] = advanced
+        state.ran, state.chained = 0, False
 
     # ------------------------------------------------------------------------------------------- one depth
     def _run_depth(self, state: TreeDraftState, k: int, tokens: Tensor, newest: Tensor,
@@ -311,7 +323,7 @@ class MTPTreeDrafter:
         device, rows = tokens.device, state.rows
         chain = [tokens.gather(1, newest.view(-1, 1))]  # (B, 1) each: the root, then one draft per depth
         probs: Optional[list[Tensor]] = None if params.greedy else []
-        state.ran = 0
+        state.ran, state.chained = 0, True
         for k in range(1, depth + 1):
             module = self.modules[self._module_index(k)]
             cache = state.caches[k - 1]

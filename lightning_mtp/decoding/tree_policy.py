@@ -20,6 +20,8 @@ from lightning_mtp.decoding.auto import (
     CALIBRATION_ROWS,
     CALIBRATION_SAMPLES,
     MIN_CALIBRATION_ROUNDS,
+    REFINE_OPTIONS,
+    REFINE_ROUNDS,
     AutoMemory,
     AutoPolicy,
     RoundRobin,
@@ -55,6 +57,9 @@ class AutoSteps:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
         self.calibration: Optional[RoundRobin] = None
+        self.calibration_teaches = False
+        """Whether the calibration's steps also feed the acceptance estimates (greedy: output does not depend on the
+        drafts; sampling keeps its seed's samples independent of whether the call calibrated)."""
 
     def needs_calibration(self, context: int) -> bool:
         """Whether the call (decoding around ``context`` tokens) must calibrate first
@@ -82,7 +87,8 @@ class AutoSteps:
             shape = option
         if self.calibration is not None:
             self.calibration.record(shape, seconds)
-            return
+            if not self.calibration_teaches:
+                return
         if active_rows <= 0:
             return
         accepted = extra[: self.max_depth] if self.tree_mode else extra[:option]
@@ -108,7 +114,9 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
     ``CALIBRATION_MIN_SEGMENT``) from the prompts, again and again until the rounds are done, so the steps are timed
     at the call's context and with its acceptance: a step that accepts more drafts also recomputes more positions in
     the MTP modules (on random tokens, which draft nothing acceptable, a chain of 3 measured 8% cheaper and a chain
-    of 2 12% dearer than in decoding). The plain decoding loop is timed on the same prompts, before and after.
+    of 2 12% dearer than in decoding). Then the ``REFINE_OPTIONS`` drafting options with the best expected rate (at
+    these prices; greedy calls count the calibration's accepted drafts) get ``REFINE_ROUNDS`` more rounds, since
+    their prices are the ones that decide. The plain decoding loop is timed on the same prompts, before and after.
 
     ``run(prompts, lengths, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or
     sampling settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes
@@ -127,21 +135,38 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
         loop_samples += plain_loop_samples(run, prompts, lengths, segment)
     steps.calibration = calibration
     try:
-        for _ in range(MAX_CALIBRATION_SEGMENTS):
-            calibration.start_segment()
-            run(prompts, lengths, segment)
-            if calibration.done:
-                break
+        _run_segments(calibration, run, prompts, lengths, segment)
+        if len(calibration.drafting) > REFINE_OPTIONS:
+            # the contenders' prices decide: time them again (their estimate, with what calibration saw accepted)
+            calibration.refine([None] + steps.policy.contenders(calibration.medians(), REFINE_OPTIONS), REFINE_ROUNDS)
+            _run_segments(calibration, run, prompts, lengths, segment)
         measured = calibration.medians()
     finally:
         steps.calibration = None
     costs = steps.policy.memory.costs
+    if not measured:
+        return
+    unit = measured["plain"]
     if loop_samples:
         loop_samples += plain_loop_samples(run, prompts, lengths, segment)
-        costs.plain_in_loop_s = measured.get("plain")
-        measured["plain"] = sorted(loop_samples)[len(loop_samples) // 2]
-    costs.step_seconds.update(measured)
+        costs.plain_in_loop_s = measured["plain"]
+        # Prices in plain-loop seconds: each option's paired ratio to the steady in-loop plain step, taking that step
+        # as the plain loop's (measured 0.96-1.05 of it; DRAFT_MARGIN covers the difference). So every comparison the
+        # policy makes rests on ratios of near steps only: the plain loop is timed seconds apart from the round robin
+        # on a machine that drifts, and scaling by their unpaired ratio moved prices by 10-20% from run to run.
+        unit = sorted(loop_samples)[len(loop_samples) // 2]
+    costs.step_seconds.update({key: (unit if key == "plain" else ratio * unit) for key, ratio in measured.items()})
     costs.calibrated_context = longest + segment // 2
+
+
+def _run_segments(calibration: RoundRobin, run: Callable[..., Any], prompts: Tensor, lengths: Tensor,
+                  segment: int) -> None:
+    """Decode calibration segments until the round robin is done (at most ``MAX_CALIBRATION_SEGMENTS``)."""
+    for _ in range(MAX_CALIBRATION_SEGMENTS):
+        calibration.start_segment()
+        run(prompts, lengths, segment)
+        if calibration.done:
+            break
 
 
 CALIBRATION_MIN_SEGMENT = 64
@@ -225,8 +250,10 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
     policy = AutoPolicy(memory, options, batch)
     max_depth = max(o.depth for o in options if o is not None)
+    steps = AutoSteps(policy, max_depth, tree_mode=trees)
+    steps.calibration_teaches = not config.sampling
     if trees:
         drafter = MTPTreeDrafter(module, max_depth)
         drafter.report_ranks = True
-        return drafter, AutoSteps(policy, max_depth, tree_mode=True)
-    return chain_drafter(module), AutoSteps(policy, max_depth, tree_mode=False)
+        return drafter, steps
+    return chain_drafter(module), steps
