@@ -332,3 +332,35 @@ def test_prices_come_from_the_calibration_only(models):
     prices, acceptance = dict(memory.step_seconds), dict(memory.acceptance)
     model.generate(input_ids, 32, attention_mask=mask, speculative="auto")
     assert memory.step_seconds == prices and memory.acceptance != acceptance
+
+
+def test_sampling_calls_start_from_the_calibration_and_a_seed_reproduces_them(models):
+    """Every sampling call, the calibrating one included, starts from the acceptance the calibration's steps saw
+    (StepCosts.acceptance), so the same seed gives the same samples in the first call and the next."""
+    model = models["cascaded"]
+    model.__dict__.pop("_mtp_auto_memory", None)
+    prompt = torch.tensor([[5, 2, 9, 11, 3, 7, 1, 4]])
+    first = model.generate(prompt, 24, speculative="auto", temperature=1.0, seed=11)
+    (costs,) = {id(m.costs): m.costs for m in model.__dict__["_mtp_auto_memory"].values()}.values()
+    assert costs.acceptance and costs.acceptance[(1, 0)][1] > 0  # the calibration's steps were counted
+    second = model.generate(prompt, 24, speculative="auto", temperature=1.0, seed=11)
+    assert torch.equal(first.sequences, second.sequences)
+    assert not torch.equal(first.sequences, model.generate(prompt, 24, speculative="auto", temperature=1.0,
+                                                            seed=12).sequences)
+
+
+def test_a_sampling_call_starts_plainly_when_the_calibration_found_drafting_hopeless():
+    from lightning_mtp.decoding.tree_policy import AutoSteps
+
+    options = [None, TreeShape.chain(1), TreeShape.chain(2)]
+    seen = {(1, 0): (2.0, 40.0), (2, 0): (1.0, 2.0)}  # 5% of depth-1 drafts accepted
+    costs = StepCosts({"plain": 1.0, "chain1": 1.3, "chain2": 1.6}, acceptance=seen)
+    steps = AutoSteps(AutoPolicy(AutoMemory(costs=costs), options, 8), 2, tree_mode=True)
+    steps.sampling = True
+    steps.start_sampling_call()
+    assert steps.retired
+    good = StepCosts({"plain": 1.0, "chain1": 1.3, "chain2": 1.6}, acceptance={(1, 0): (36.0, 40.0)})
+    steps = AutoSteps(AutoPolicy(AutoMemory(costs=good), options, 1), 2, tree_mode=True)
+    steps.sampling = True
+    steps.start_sampling_call()
+    assert not steps.retired and steps.next() is not None

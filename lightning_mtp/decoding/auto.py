@@ -8,17 +8,20 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   the call's own prompts for its number of new tokens, taking every option in turn for several rounds
   (:class:`RoundRobin`), so steps are timed at the call's context and with its acceptance (step costs grow with
   both: attention reads every cached position, and accepted drafts make the MTP modules recompute more); a call
-  whose context is far from the calibrated one calibrates again. Each drafting option is timed against the plain
-  step just before it, so drift on a shared machine cancels; a plain step is priced at the plain decoding loop's
-  step time (timed too), since that is what retiring drafting gives. Prices are not updated during decoding: a
-  running average of step times drifts with the machine while the plain price it is weighed against does not;
+  whose context is far from the calibrated one calibrates again. Each drafting option is timed against a steady
+  plain step three steps before it, so drift on a shared machine cancels, and every comparison rests on such paired
+  ratios (the plain decoding loop, timed too, is only their unit); the best few options are timed again. Prices are
+  not updated during decoding: a running average of step times drifts with the machine while the plain price it is
+  weighed against does not;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
-  product of those estimates along the node's path (dynamic trees use their own measured average).
+  product of those estimates along the node's path (dynamic trees use their own measured average). The prior fades
+  with the tries, and a deeper depth's prior is the estimate of the depth above.
 
 Until ``MIN_EVIDENCE`` drafts have been tried the policy drafts rather than step plainly, so that it learns the
-acceptance. A drafting option must beat a plain step by ``DRAFT_MARGIN`` (more in a batch: ``BATCH_MARGIN``); after
-``RETIRE_AFTER`` plain choices in a row the call drops the drafter and finishes with the plain decoding loop, and where
+acceptance; while drafting is a close call it is probed every ``CLOSE_PROBE_EVERY`` plain choices. A drafting
+option must beat a plain step by ``DRAFT_MARGIN`` (more in a batch: ``BATCH_MARGIN``); after ``RETIRE_AFTER`` plain
+choices in a row the call drops the drafter and finishes with the plain decoding loop, and where
 drafting was clearly unprofitable (``RETIRE_HOPELESS``) the next calls decode plainly from their first step (every
 ``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing.
 Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier calls learned.
@@ -106,6 +109,9 @@ class StepCosts:
     reported: drafting options are priced by their ratio to it, times the plain loop's ``step_seconds["plain"]``)."""
     calibrated_context: Optional[int] = None
     """The context length (tokens) the calibration decoded at."""
+    acceptance: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    """The acceptance counts the calibration's own steps gave (``AutoMemory.acceptance``'s form): where sampling calls
+    start, all from the same counts, so that a seed reproduces the samples whichever call calibrated."""
 
     def needs_calibration(self, context: int) -> bool:
         """Whether a call decoding around ``context`` tokens must calibrate: never calibrated, or calibrated at a
@@ -167,20 +173,41 @@ class AutoPolicy:
         self.plain_run = 0
         """Consecutive steps the policy chose a plain step (probes aside)."""
         memory.calls += 1
-        if memory.retired_calls and memory.calls % RECHECK_EVERY and options[0] is None:
-            self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
-        else:
-            # A new call, probably new prompts: earlier calls' acceptance counts are kept at the weight of
-            # CALL_START_EVIDENCE tries (their rates unchanged), so this call's own drafts soon outweigh them.
-            tried = memory.acceptance.get((1, 0), (0.0, 0.0))[1]
-            if tried > CALL_START_EVIDENCE:
-                shrink = CALL_START_EVIDENCE / tried
-                memory.acceptance = {key: (hits * shrink, count * shrink)
-                                     for key, (hits, count) in memory.acceptance.items()}
         self.last_tried: dict[str, int] = {}
         self.keys = ["plain" if o is None else o.describe() for o in options]
         self._index = {option: i for i, option in enumerate(options)}
         self._rates: Optional[list[float]] = None  # cached until the next update
+        self.begin_call()
+
+    def begin_call(self) -> None:
+        """A call's start: plain from the first step when earlier calls retired (but every ``RECHECK_EVERY``-th),
+        else the acceptance counts known so far are kept at the weight of ``CALL_START_EVIDENCE`` tries."""
+        memory = self.memory
+        self._rates = None
+        if memory.retired_calls and memory.calls % RECHECK_EVERY and self.options[0] is None:
+            self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
+            return
+        # A new call, probably new prompts: earlier calls' acceptance counts are kept at the weight of
+        # CALL_START_EVIDENCE tries (their rates unchanged), so this call's own drafts soon outweigh them.
+        tried = memory.acceptance.get((1, 0), (0.0, 0.0))[1]
+        if tried > CALL_START_EVIDENCE:
+            shrink = CALL_START_EVIDENCE / tried
+            memory.acceptance = {key: (hits * shrink, count * shrink)
+                                 for key, (hits, count) in memory.acceptance.items()}
+
+    def hopeless(self) -> bool:
+        """Whether, at the acceptance known now, every drafting option's expected rate is below ``RETIRE_HOPELESS``
+        of what it must reach (a plain step's rate times the margin)."""
+        if self.options[0] is None and len(self.options) == 1:
+            return True
+        if self.options[0] is not None:
+            return False
+        rates = self._all_rates()
+        return max(rates[1:]) < RETIRE_HOPELESS * self.margin * rates[0]
+
+    def start_plain(self) -> None:
+        """Decode this call plainly from its first step (the decoding loop drops the drafter)."""
+        self.plain_run = RETIRE_AFTER
 
     def evidence(self) -> float:
         """How often (forgotten counts) a depth-1 best candidate has been tried: the evidence behind the estimates."""

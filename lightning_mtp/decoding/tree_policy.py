@@ -57,9 +57,19 @@ class AutoSteps:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
         self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
         self.calibration: Optional[RoundRobin] = None
-        self.calibration_teaches = False
-        """Whether the calibration's steps also feed the acceptance estimates (greedy: output does not depend on the
-        drafts; sampling keeps its seed's samples independent of whether the call calibrated)."""
+        self.sampling = False
+        """A sampling call: it starts from the calibration's acceptance counts only (:meth:`start_sampling_call`)."""
+
+    def start_sampling_call(self) -> None:
+        """Where every sampling call starts: the calibration's acceptance counts (``StepCosts.acceptance``, the same
+        for every call, so that which random numbers a step consumes does not depend on earlier calls' outcomes),
+        and plain from the first step if they make every draft hopeless (measured at batch 8, where no chain pays:
+        exploring and then retiring cost each call 5-7% against plain)."""
+        policy = self.policy
+        policy.memory.acceptance = dict(policy.memory.costs.acceptance)
+        policy.begin_call()
+        if policy.hopeless():
+            policy.start_plain()
 
     def needs_calibration(self, context: int) -> bool:
         """Whether the call (decoding around ``context`` tokens) must calibrate first
@@ -86,9 +96,7 @@ class AutoSteps:
         else:
             shape = option
         if self.calibration is not None:
-            self.calibration.record(shape, seconds)
-            if not self.calibration_teaches:
-                return
+            self.calibration.record(shape, seconds)  # and its acceptance is learned too
         if active_rows <= 0:
             return
         accepted = extra[: self.max_depth] if self.tree_mode else extra[:option]
@@ -106,10 +114,10 @@ class AutoSteps:
 def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, lengths: Tensor, new_tokens: int,
                     context: int) -> None:
     """Time every option on this machine and model, decoding the call's own prompts (its first
-    ``CALIBRATION_ROWS`` rows) as the call will: for every drafting option X in turn, a plain step then X twice, X's
-    second step timed against the plain step before it (:class:`~lightning_mtp.decoding.auto.RoundRobin`:
-    neighbouring steps, so drift on a shared machine cancels, and steady decoding with X, no catch-up after another
-    option); a warm-up round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
+    ``CALIBRATION_ROWS`` rows) as the call will: for every drafting option X in turn, three plain steps then X twice,
+    X's second step timed against the third plain step (:class:`~lightning_mtp.decoding.auto.RoundRobin`: near steps,
+    so drift on a shared machine cancels, and steady steps of both kinds, no catch-up after another option); a warm-up
+    round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
     ``MIN_CALIBRATION_ROUNDS``. The decodes ("segments") run ``new_tokens`` tokens (at least
     ``CALIBRATION_MIN_SEGMENT``) from the prompts, again and again until the rounds are done, so the steps are timed
     at the call's context and with its acceptance: a step that accepts more drafts also recomputes more positions in
@@ -120,8 +128,8 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
 
     ``run(prompts, lengths, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or
     sampling settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes
-    the plain option's (:func:`plain_loop_samples`); the plain steps the round robin took inside the drafting loop
-    give ``plain_in_loop_s`` (reported beside it).
+    the plain option's and the unit of the drafting options' ratios (:func:`plain_loop_samples`); the steady plain
+    steps the round robin took inside the drafting loop give ``plain_in_loop_s`` (reported beside it).
     """
     options = steps.policy.options
     rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
@@ -157,6 +165,9 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
         unit = sorted(loop_samples)[len(loop_samples) // 2]
     costs.step_seconds.update({key: (unit if key == "plain" else ratio * unit) for key, ratio in measured.items()})
     costs.calibrated_context = longest + segment // 2
+    costs.acceptance = dict(steps.policy.memory.acceptance)
+    if steps.sampling:
+        steps.start_sampling_call()  # the calibrating call starts where later ones will
 
 
 def _run_segments(calibration: RoundRobin, run: Callable[..., Any], prompts: Tensor, lengths: Tensor,
@@ -245,13 +256,16 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     memory = memory_for(module, key, AutoMemory)
     if config.sampling:
         # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
-        # sampling decides from the calibration and this call's own acceptance only, never from timings taken
-        # during decoding or from earlier calls (greedy output does not depend on the drafts, so it learns freely).
+        # sampling decides from the calibration (its prices and the acceptance its own steps saw) and this call's
+        # own acceptance only, never from timings taken during decoding or from earlier calls (greedy output does
+        # not depend on the drafts, so it learns freely).
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
     policy = AutoPolicy(memory, options, batch)
     max_depth = max(o.depth for o in options if o is not None)
     steps = AutoSteps(policy, max_depth, tree_mode=trees)
-    steps.calibration_teaches = not config.sampling
+    if config.sampling:
+        steps.sampling = True
+        steps.start_sampling_call()
     if trees:
         drafter = MTPTreeDrafter(module, max_depth)
         drafter.report_ranks = True
