@@ -281,10 +281,10 @@ def test_calibration_decodes_the_calls_own_prompts_and_again_far_from_their_cont
 
 
 def test_calibration_times_each_option_against_a_steady_plain_step():
-    """RoundRobin: per drafting option X three plain steps then X twice; X's second step is timed as a ratio to the
-    third plain step (drift cancels; the first steps of a kind also pay for the switch: the MTP modules catch up, the
-    plain steps after a draft run colder), the first round is warm-up, a new decode starts at a pattern's first step,
-    and a refinement adds rounds over the contenders to the same samples."""
+    """RoundRobin: after a warm-up taking every option once (untimed), per drafting option X three plain steps then X
+    twice; X's second step is timed as a ratio to the third plain step (drift cancels; the first steps of a kind also
+    pay for the switch: the MTP modules catch up, the plain steps after a draft run colder), a new decode starts at a
+    pattern's first step, and a refinement adds rounds over the contenders to the same samples."""
     from lightning_mtp.decoding.auto import RoundRobin
 
     options = [None, TreeShape.chain(1), TreeShape.chain(2)]
@@ -292,21 +292,23 @@ def test_calibration_times_each_option_against_a_steady_plain_step():
     robin = RoundRobin(options, rounds=3)
     taken = []
 
-    def run_rounds():
+    def run_rounds(first_steps=1.0):
         previous = None
         while not robin.done:
             option = robin.next()
             taken.append(option)
             drift = 1.0 + 0.03 * len(taken)  # the machine slows down step by step (1.5x over the run)
-            switch = 1.5 if option != previous else 1.0  # the first step after another kind costs more, ...
-            switch *= 1.2 if option is None and len(taken) % 5 == 2 else 1.0  # ... and the second plain one too
-            robin.record(option, drift * switch * cost[option])
+            switch = 1.5 if option != previous else 1.0  # the first step after another kind costs more, and
+            second_plain = option is None and len(taken) % 5 == (2 + len(robin.warmup)) % 5
+            switch *= 1.2 if second_plain else 1.0  # the second plain step still a little
+            robin.record(option, drift * switch * cost[option] * first_steps)
             previous = option
+            first_steps = 1.0
 
-    run_rounds()
     c1, c2 = TreeShape.chain(1), TreeShape.chain(2)
-    assert taken == [None, None, None, c1, c1, None, None, None, c2, c2] * 3
-    assert len(robin.plain) == 4 and len(robin.ratios["chain1"]) == 2, robin.ratios  # warm-up round left out
+    run_rounds(first_steps=10.0)  # the very first step is slow (warm-up): it must not count
+    assert taken == [None, c1, c2] + [None, None, None, c1, c1, None, None, None, c2, c2] * 3
+    assert len(robin.plain) == 6 and len(robin.ratios["chain1"]) == 3, robin.ratios  # the warm-up left out
     medians = robin.medians()
     assert medians["chain1"] == pytest.approx(2.0, rel=0.1)  # ratios to the steady plain step, despite the drift
     assert medians["chain2"] == pytest.approx(3.0, rel=0.1)  # and the switches
@@ -314,11 +316,14 @@ def test_calibration_times_each_option_against_a_steady_plain_step():
     robin.refine([None, c2], rounds=2)
     run_rounds()
     assert taken == [None, None, None, c2, c2] * 2  # no warm-up: both rounds timed
-    assert len(robin.ratios["chain2"]) == 4 and len(robin.ratios["chain1"]) == 2
+    assert len(robin.ratios["chain2"]) == 5 and len(robin.ratios["chain1"]) == 3
     robin = RoundRobin(options, rounds=3)
     robin.next()
+    robin.start_segment()  # a new prompt during the warm-up: it goes on where it was
+    assert robin.steps == 1 and robin.next() == c1
+    robin.next(), robin.next(), robin.next()  # the warm-up's last step, then the first pattern's first step
     robin.start_segment()  # a new prompt: the interrupted pattern is abandoned, the next one starts with plain
-    assert robin.steps == 5 and robin.next() is None
+    assert robin.steps == 3 + 5 and robin.next() is None
 
 
 def test_prices_come_from_the_calibration_only(models):

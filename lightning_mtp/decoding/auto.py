@@ -86,7 +86,7 @@ CALL_START_EVIDENCE = MIN_EVIDENCE / 2
 differ, and with fewer than ``MIN_EVIDENCE`` tries the call drafts a few steps to learn its own acceptance."""
 CALIBRATION_SAMPLES = 48
 """Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
-MIN_CALIBRATION_ROUNDS = 3
+MIN_CALIBRATION_ROUNDS = 2
 REFINE_OPTIONS = 3
 """After the rounds over every option, calibration times the best this many (by expected rate) again, ..."""
 REFINE_ROUNDS = 8
@@ -351,8 +351,8 @@ class RoundRobin:
     steady steps are timed: a plain step soon after drafting steps runs colder (on the 12-layer benchmark model the
     first plain step after a chain of 2 measured 5% dearer than steady plain steps, the second 4.5%, the third 1-3%;
     on the ``transformers`` host the first 17%), and the first X after plain steps also catches the MTP modules up on
-    the positions they skipped, which steady decoding with X does not. The first round is warm-up. ``medians()`` gives
-    each option's median ratio; the timed plain steps' median is reported.
+    the positions they skipped, which steady decoding with X does not. A warm-up takes every option once, untimed.
+    ``medians()`` gives each option's median ratio; the timed plain steps' median is reported.
     """
 
     PATTERN = 5
@@ -361,8 +361,9 @@ class RoundRobin:
     def __init__(self, options: list[Optional[TreeShape]], rounds: int = 3) -> None:
         self.options, self.rounds = options, rounds
         self._set_sequence(options)
-        self.warmup = len(self.sequence)
-        """Steps not timed at the start (the first round)."""
+        self.warmup = [None] + self.drafting
+        """Untimed steps first: each option once (the first call of a shape measures its products' path, fills
+        allocator caches)."""
         self.plain: list[float] = []
         self.ratios: dict[str, list[float]] = {}
         self.steps = 0
@@ -376,32 +377,40 @@ class RoundRobin:
         """Go on for ``rounds`` more rounds over ``options`` only (the contenders), adding to the same samples (no
         warm-up: the machine and model are warm)."""
         self._set_sequence(options)
-        self.rounds, self.steps, self.warmup, self._last_plain = rounds, 0, 0, None
+        self.rounds, self.steps, self.warmup, self._last_plain = rounds, 0, [], None
 
     def next(self) -> Optional[TreeShape]:
-        option = self.sequence[self.steps % len(self.sequence)]
+        if self.steps < len(self.warmup):
+            option = self.warmup[self.steps]
+        else:
+            option = self.sequence[(self.steps - len(self.warmup)) % len(self.sequence)]
         self.steps += 1
         return option
 
     def record(self, option: Optional[TreeShape], seconds: float) -> None:
-        step = self.steps - 1  # the step just taken
+        step = self.steps - 1 - len(self.warmup)  # the step just taken, counted from the end of the warm-up
+        if step < 0:
+            self._last_plain = None
+            return
         place = step % self.PATTERN
-        timed = step >= self.warmup
         if option is None:
             self._last_plain = seconds if place == 2 else None  # the third plain step: steady
-            if place == 2 and timed:
+            if place == 2:
                 self.plain.append(seconds)
-        elif place == 4 and timed and self._last_plain:  # the second X, against the third plain step
+        elif place == 4 and self._last_plain:  # the second X, against the third plain step
             self.ratios.setdefault(option.describe(), []).append(seconds / self._last_plain)
 
     def start_segment(self) -> None:
-        """A new calibration decode starts (prefill): begin at the next pattern's first step."""
-        self.steps = -(-self.steps // self.PATTERN) * self.PATTERN
+        """A new calibration decode starts (prefill): begin at the next pattern's first step (the warm-up goes on
+        where it was)."""
+        done = self.steps - len(self.warmup)
+        if done > 0:
+            self.steps = len(self.warmup) + -(-done // self.PATTERN) * self.PATTERN
         self._last_plain = None
 
     @property
     def done(self) -> bool:
-        return self.steps >= self.rounds * len(self.sequence)
+        return self.steps >= len(self.warmup) + self.rounds * len(self.sequence)
 
     def medians(self) -> dict[str, float]:
         """Per drafting option its median ratio to the steady plain step; ``"plain"``: the steady plain steps' median
@@ -415,7 +424,8 @@ class RoundRobin:
 
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

@@ -198,6 +198,8 @@ def decode(
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
         policy.observe_step(option, reached, int(active_rows), time.perf_counter() - step_start)
+        if getattr(policy, "calibrated", False):  # `auto`'s calibration has all its samples: the decode is not needed
+            break
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)

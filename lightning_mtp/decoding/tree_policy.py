@@ -77,6 +77,11 @@ class AutoSteps:
         return self.policy.memory.costs.needs_calibration(context)
 
     @property
+    def calibrated(self) -> bool:
+        """A calibration decode may stop: the round robin has all its samples."""
+        return self.calibration is not None and self.calibration.done
+
+    @property
     def retired(self) -> bool:
         """The decoding loop drops the drafter (plain steps only) once the policy retires drafting."""
         return self.calibration is None and self.policy.retired
@@ -117,7 +122,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
     ``CALIBRATION_ROWS`` rows) as the call will: for every drafting option X in turn, three plain steps then X twice,
     X's second step timed against the third plain step (:class:`~lightning_mtp.decoding.auto.RoundRobin`: near steps,
     so drift on a shared machine cancels, and steady steps of both kinds, no catch-up after another option); a warm-up
-    round, then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
+    (each option once), then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
     ``MIN_CALIBRATION_ROUNDS``. The decodes ("segments") run ``new_tokens`` tokens (at least
     ``CALIBRATION_MIN_SEGMENT``) from the prompts, again and again until the rounds are done, so the steps are timed
     at the call's context and with its acceptance: a step that accepts more drafts also recomputes more positions in
@@ -132,7 +137,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
     steps the round robin took inside the drafting loop give ``plain_in_loop_s`` (reported beside it).
     """
     options = steps.policy.options
-    rounds = 1 + max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # the first one warms up
+    rounds = max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # after a warm-up (each option once)
     rows = min(prompts.shape[0], CALIBRATION_ROWS)
     prompts, lengths = prompts[:rows], lengths[:rows]
     longest = int(lengths.max())
