@@ -68,7 +68,7 @@ class DepthNodes(NamedTuple):
     tokens: Tensor  # (B, M) token of each node (-1 = absent: embedded as 0, never accepted)
     depths: Tensor  # (B or 1, M) depth of each node
     parent_hidden: Tensor  # (B, M, H) h_(k-1) at each node's parent
-    anc: Optional[Tensor]  # (B, M, M) ancestors-or-self among the nodes; None: a chain (consecutive, causal)
+    anc: Tensor  # (B, M, M) ancestors-or-self among the nodes
 
 
 class MTPTreeDrafter:
@@ -166,17 +166,12 @@ class MTPTreeDrafter:
             emb = torch.cat([emb, self.embed(nodes.tokens.clamp_min(0))], dim=1)
             node_raw = linear_end.unsqueeze(1) + nodes.depths  # (B, M), < 0 for the first steps of a short prompt
             positions = torch.cat([linear, node_raw.clamp_min(0)], dim=1)
-            if nodes.anc is None:
-                # a chain: consecutive positions, causal (mask None); the nodes are written at their own positions,
-                # which lie beyond the linear end of every later step, so they are rewritten before anything reads them
-                slots = torch.cat([linear_slots, torch.where(node_raw >= 0, node_raw, dump)], dim=1)
-            else:
-                slots = torch.cat([linear_slots, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
-                # nodes before position 0 are nobody's key but their own (a query must see something)
-                own = torch.eye(size, dtype=torch.bool, device=newest.device)
-                anc = nodes.anc & ((node_raw >= 0).unsqueeze(1) | own)
-                used = attention_width(newest + (size - 1), cache.max_len)  # slots in use, rounded
-                mask = tree_attention_mask(linear_end, newest, anc, used, linear)  # (B, 1, W + M, used)
+            slots = torch.cat([linear_slots, newest.unsqueeze(1) + torch.arange(size, device=newest.device)], dim=1)
+            # nodes before position 0 are nobody's key but their own (a query must see something)
+            own = torch.eye(size, dtype=torch.bool, device=newest.device)
+            anc = nodes.anc & ((node_raw >= 0).unsqueeze(1) | own)
+            used = attention_width(newest + (size - 1), cache.max_len)  # slots in use, rounded
+            mask = tree_attention_mask(linear_end, newest, anc, used, linear)  # (B, 1, W + M, used)
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, cache, mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:
@@ -184,9 +179,9 @@ class MTPTreeDrafter:
         return out, width
 
     def _tree_nodes(self, state: TreeDraftState, k: int, cand: _Candidates, node_index: Tensor,
-                    node_hidden: Tensor, static_anc: Optional[Tensor], chain: bool) -> Optional[DepthNodes]:
+                    node_hidden: Tensor, static_anc: Optional[Tensor]) -> Optional[DepthNodes]:
         """The tree part of depth k: the nodes ``node_index`` (B, M) (global indices) with h_(k-1) at their parents
-        and their ancestors among themselves (``None`` for a chain: consecutive positions, causal)."""
+        and their ancestors among themselves (chains never come here: :meth:`_draft_chain`)."""
         size = node_index.shape[1]
         if not size:
             return None
@@ -194,7 +189,7 @@ class MTPTreeDrafter:
         if static_anc is not None:  # static trees: this depth's nodes are 1..M (breadth-first)
             parents = cand.parents[:, 1 : size + 1].expand(batch, size)
             node_tokens, node_depths = cand.tokens[:, 1 : size + 1], cand.depths[:, 1 : size + 1]
-            anc = None if chain else static_anc[:, 1 : size + 1, 1 : size + 1].expand(batch, size, size)
+            anc = static_anc[:, 1 : size + 1, 1 : size + 1].expand(batch, size, size)
         else:
             parents = cand.parents[rows, node_index]  # (B, M) global
             node_tokens, node_depths = cand.tokens[rows, node_index], cand.depths[rows, node_index]
@@ -250,7 +245,7 @@ class MTPTreeDrafter:
             _, static_anc, static_parents, static_depths = self.static_tables(shape, device)
         state.ran = 0
         for k in range(1, shape.depth + 1):
-            nodes = self._tree_nodes(state, k, cand, module_nodes, node_hidden, static_anc, shape.is_chain)
+            nodes = self._tree_nodes(state, k, cand, module_nodes, node_hidden, static_anc)
             out, linear_width = self._run_depth(state, k, tokens, newest, nodes)
             root_out, node_out = out[:, linear_width - 1], out[:, linear_width:]
             state.ran = k
