@@ -14,9 +14,19 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_mtp.layers import Block, KVCache, Linear, RMSNorm, linear_backward
+from lightning_mtp.layers import (
+    Block,
+    KVCache,
+    Linear,
+    RMSNorm,
+    linear_backward,
+    rms_norm_backward,
+    rms_norm_backward_applies,
+)
 
 
 class CascadedMTPModule(nn.Module):
@@ -63,7 +73,11 @@ class CascadedMTPModule(nn.Module):
 
     def features(self, hidden: Tensor, token_embedding: Tensor) -> Tensor:
         """[enorm(Emb); hnorm(h)]: (B, T, H) twice -> (B, T, 2H), the input of ``eh_proj``."""
-        return torch.cat([self.enorm(token_embedding), self.hnorm(hidden)], dim=-1)
+        return torch.cat(self.feature_parts(hidden, token_embedding), dim=-1)
+
+    def feature_parts(self, hidden: Tensor, token_embedding: Tensor) -> tuple[Tensor, Tensor]:
+        """(enorm(Emb), hnorm(h)), (B, T, H) each, in the order of ``eh_proj``'s input columns."""
+        return self.enorm(token_embedding), self.hnorm(hidden)
 
 
 class ParallelMTPHead(nn.Module):
@@ -114,23 +128,28 @@ class _RecomputedDepth(torch.autograd.Function):
     """One depth (MTP module and output norm) run without autograd and recomputed once in backward, piece by piece.
 
     Forward keeps the depth's inputs (h_(k-1) or h_0, and Emb: views of tensors that the next depth or the trunk keep
-    anyway, except Emb) and one tensor of its own, the block's residual between its two sublayers,
+    anyway; Emb is the trunk's own lookup where the mixin could catch it, ``TrunkEmbeddings``) and one tensor of its
+    own, the block's residual between its two sublayers,
     x = m + attn(attn_norm(m)) (B, L, H), m being the block's input. x is the price of running the attention once:
     the MLP's backward, which needs all of x, must come before the attention's.
 
     Backward, given d/dh_k and d/dnorm(h_k):
 
-    1. MLP sublayer and output norm, by token chunks (they are position-wise): rerun a chunk with autograd and
-       backpropagate it at once; d/dx overwrites x in place.
-    2. m (by token chunks) and attn_norm(m) without autograd, then the attention one key/value head group at a time,
-       each group rerun and backpropagated at once (:meth:`~lightning_mtp.layers.Attention.backward_by_group`).
-    3. attn_norm and the block input by token chunks. Their norms are elementwise and are evaluated again here
-       rather than kept; the cascaded module's ``eh_proj`` is differentiated by hand, so it is not rerun.
+    1. MLP sublayer and output norm, by token chunks (they are position-wise): rerun a chunk and backpropagate it at
+       once, the two products by hand into one weight-gradient buffer each; d/dx overwrites x in place.
+    2. One batch row at a time: the row's m and attn_norm(m) without autograd, then its attention one key/value head
+       group at a time, each group rerun and backpropagated at once
+       (:meth:`~lightning_mtp.layers.Attention.backward_by_group`).
+    3. In the same row, attn_norm and the block input by token chunks. Their norms are elementwise and are evaluated
+       again here rather than kept; the cascaded module's ``eh_proj`` is differentiated by hand, so it is not rerun.
+       d/dEmb goes into the storage of d/dnorm(h_k), consumed in step 1, when that storage is provably this depth's
+       own (:func:`_spent_buffer`).
 
     Every matrix product of the depth's forward thus runs once more (the attention's output projection not at all:
-    its output is x's summand, never needed again), and at most one chunk or head group of activations is alive at a
-    time besides m, attn_norm(m) and its gradient. Parameters are inputs of the function and their gradients are
-    returned, so ``torch.autograd.grad`` works; backward runs once (x is consumed).
+    its output is x's summand, never needed again), and at most one chunk, or one row's m, attn_norm(m), its gradient
+    and one head group, is alive at a time: this working set sits on top of every trunk activation (the trunk's
+    backward waits for all depths), so it is what recompute's peak memory is made of. Parameters are inputs of the
+    function and their gradients are returned, so ``torch.autograd.grad`` works; backward runs once (x is consumed).
     """
 
     @staticmethod
@@ -146,6 +165,7 @@ class _RecomputedDepth(torch.autograd.Function):
             out[:, start : start + x_part.shape[1]] = out_part
             normed[:, start : start + x_part.shape[1]] = normed_part
         ctx.module, ctx.chunks, ctx.consumed = module, chunks, False
+        ctx.normed_storage = StorageWeakRef(normed.untyped_storage())  # see _spent_buffer
         device = x.device.type  # backward reruns the pieces under the forward's autocast, as checkpointing does
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.save_for_backward(hidden, embedding, x, cos, sin)
@@ -172,10 +192,25 @@ class _RecomputedDepth(torch.autograd.Function):
         with torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext():
             _mlp_backward(module, x, grad_out, grad_normed, chunks, upstream,
                           [p for p in mlp_params if need[id(p)]], grads)
-            input_grads = _input_backward(module, hidden, embedding, x, cos, sin, chunks, need, need_inputs, grads) \
-                if upstream else (None, None)
+            spent = _spent_buffer(grad_normed, ctx.normed_storage, embedding)
+            input_grads = _input_backward(module, hidden, embedding, x, cos, sin, chunks, need, need_inputs, grads,
+                                          spent) if upstream else (None, None)
         return (None, None, None, None, *input_grads,
                 *(grads.get(id(p)) if need[id(p)] else None for p in params))
+
+
+def _spent_buffer(grad_normed: Optional[Tensor], normed_storage: StorageWeakRef,
+                  embedding: Optional[Tensor]) -> Optional[Tensor]:
+    """``grad_normed`` as a buffer for d/dEmb, when it is provably nobody else's after the MLP step: it lies in the
+    storage of this depth's own ``normed`` output, where the loss wrote it because nothing else reads those states
+    (``score_jointly(private=True)``). The MLP step consumes it; reusing it saves one B·L·H buffer next to every
+    trunk activation. ``None`` otherwise (another gradient tensor may be shared: autograd gives no such promise)."""
+    if grad_normed is None or embedding is None or normed_storage.expired():
+        return None
+    if (grad_normed.untyped_storage()._cdata != normed_storage.cdata or grad_normed.shape != embedding.shape
+            or grad_normed.dtype != embedding.dtype or not grad_normed.is_contiguous()):
+        return None
+    return grad_normed
 
 
 def _detached(*tensors: Optional[Tensor]) -> list[Optional[Tensor]]:
@@ -203,60 +238,154 @@ def _block_input(module: nn.Module, hidden: Tensor, embedding: Optional[Tensor],
 
 
 def _mlp_backward(module, x: Tensor, grad_out, grad_normed, chunks: int, upstream: bool, params: list, grads: dict):
-    """Step 1: the MLP sublayer and the output norm by token chunks, each rerun and backpropagated at once. With
-    ``upstream``, d/dx replaces x chunk by chunk."""
-    given = [(i, g) for i, g in enumerate((grad_out, grad_normed)) if g is not None]
+    """Step 1: the MLP sublayer and the output norm by token chunks, each rerun and backpropagated at once
+    (:func:`_mlp_chunk_backward`). With ``upstream``, d/dx replaces x chunk by chunk."""
+    block, wanted = module.block, {id(p) for p in params}
+    weight_grads = [grads.setdefault(id(w), torch.zeros_like(w)) if id(w) in wanted else None
+                    for w in (block.mlp.gate_up.weight, block.mlp.down.weight)]
     for start, x_part in _token_chunks(x, chunks):
         window = slice(start, start + x_part.shape[1])
-        leaf = x_part.detach().requires_grad_(upstream)
-        with torch.enable_grad():
-            out_part = module.block.mlp_residual(_non_leaf(leaf))
-            results = (out_part, module.norm(out_part))
-        found = _grad([results[i] for i, _ in given], [g[:, window] for _, g in given], [leaf] * upstream + params)
-        if upstream:
-            x_part.copy_(found.pop(0))
-        _accumulate(grads, params, found)
+        _mlp_chunk_backward(module, x_part, *(None if g is None else g[:, window] for g in (grad_out, grad_normed)),
+                            upstream, weight_grads, wanted, grads)
 
 
-def _input_backward(module, hidden, embedding, grad_x, cos, sin, chunks, need, need_inputs, grads):
-    """Steps 2 and 3: the attention by head groups, then attn_norm and the block input by token chunks, from d/dx
-    (``grad_x``, in x's storage). Returns d/dhidden and d/dembedding (``None`` where not needed)."""
+def _mlp_chunk_backward(module, x_part: Tensor, grad_out, grad_normed, upstream: bool, weight_grads: list,
+                        wanted: set, grads: dict) -> None:
+    """One token chunk of step 1; its activations die with the call, before the next chunk's exist.
+
+    Nothing goes through autograd: the norms by :func:`_norm_backward`, the SwiGLU gate by :func:`_swiglu_backward`,
+    the two products by :func:`~lightning_mtp.layers.linear_backward`, their weight gradients added in place into
+    ``weight_grads`` (one buffer each; autograd would return a fresh weight gradient per chunk, alive next to the
+    running sum)."""
+    block = module.block
+    mlp = block.mlp
+    with torch.no_grad():
+        normed_input = block.mlp_norm(x_part)  # (B, l, H)
+        gate_up = mlp.gate_up(normed_input)  # (B, l, 2 · hidden), as in forward
+        gate, up = gate_up.chunk(2, dim=-1)
+        activation = F.silu(gate) * up  # (B, l, hidden)
+    grad_mlp = grad_out  # d/d(out), out = x + mlp(x): the residual's (the next depth's) and the output norm's
+    if grad_normed is not None:
+        with torch.no_grad():
+            out = x_part + mlp.down(activation)  # (B, l, H)
+        grad_norm = _norm_backward(module.norm, out, grad_normed, True, wanted, grads)
+        del out
+        grad_mlp = grad_norm if grad_mlp is None else grad_norm.add_(grad_mlp)
+    grad_activation = linear_backward(activation, mlp.down.weight, grad_mlp, weight_grads[1])  # (B, l, hidden)
+    del activation, gate, up
+    grad_gate_up = _swiglu_backward(gate_up, grad_activation.to(gate_up.dtype))
+    del grad_activation
+    grad_normed_input = linear_backward(normed_input, mlp.gate_up.weight, grad_gate_up, weight_grads[0])
+    del grad_gate_up, gate_up, normed_input
+    grad_x = _norm_backward(block.mlp_norm, x_part, grad_normed_input.to(x_part.dtype), upstream, wanted, grads)
+    if upstream:
+        x_part.copy_(grad_x.add_(grad_mlp))  # the MLP branch's and the residual's
+
+
+def _norm_backward(norm: nn.Module, x: Tensor, grad: Tensor, input_grad: bool, wanted: set,
+                   grads: dict) -> Optional[Tensor]:
+    """d/dx of ``norm(x)`` from ``grad`` when ``input_grad``; the gradients of its parameters in ``wanted`` (ids)
+    are added into ``grads``. By hand on :class:`~lightning_mtp.layers.RMSNorm`'s fp32 path
+    (:func:`~lightning_mtp.layers.rms_norm_backward`: fewer temporaries and ops), through autograd otherwise
+    (bf16, autocast)."""
+    params = [p for p in norm.parameters() if id(p) in wanted]
+    if not input_grad and not params:
+        return None
+    if rms_norm_backward_applies(norm, x) and grad.dtype == torch.float32:
+        weight_grad = grads.setdefault(id(norm.weight), torch.zeros_like(norm.weight)) if params else None
+        return rms_norm_backward(norm, x, grad, input_grad, weight_grad)
+    leaf = x.detach().requires_grad_(input_grad)
+    with torch.enable_grad():
+        normed = norm(_non_leaf(leaf))
+    found = _grad([normed], [grad.to(normed.dtype)], [leaf] * input_grad + params)
+    grad_x = found.pop(0) if input_grad else None
+    _accumulate(grads, params, found)
+    return grad_x
+
+
+def _swiglu_backward(gate_up: Tensor, grad: Tensor) -> Tensor:
+    """d/d(gate_up) of silu(gate) · up, written over ``gate_up`` (B, l, 2 · hidden), which it consumes; ``grad`` (B, l,
+    hidden) is overwritten too. Autograd would keep silu's output and allocate four more (B, l, hidden) tensors and a
+    (B, l, 2 · hidden) concatenation; this allocates one: σ(gate).
+
+    d/dgate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate))) (torch's silu backward), d/dup = grad · silu(gate).
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    grad.mul_(sig)  # grad · σ
+    slope = sig.neg_().add_(1).mul_(gate).add_(1).mul_(up).mul_(grad)  # grad · σ · up · (1 + gate · (1 − σ))
+    torch.mul(grad, gate, out=up)  # d/dup = grad · σ · gate, into up's half
+    gate.copy_(slope)
+    return gate_up
+
+
+def _input_backward(module, hidden, embedding, grad_x, cos, sin, chunks, need, need_inputs, grads, spent=None):
+    """Steps 2 and 3 from d/dx (``grad_x``, in x's storage), one batch row at a time (:func:`_row_input_backward`).
+    d/dhidden is written over ``grad_x`` row by row (a row's d/dx is consumed before its d/dhidden exists),
+    d/dembedding into ``spent`` when given (a consumed gradient, :func:`_spent_buffer`). Returns d/dhidden and
+    d/dembedding (``None`` where not needed)."""
     block = module.block
     projection = getattr(module, "eh_proj", None)  # the cascaded module's mix; the parallel block reads h_0 as is
-    block_input = _block_input(module, hidden, embedding, chunks)  # (B, L, H)
     attention = (block.attn.qkv.weight, block.attn.proj.weight)
-    grad_normed_input, *attention_grads = block.attn.backward_by_group(
-        block.attn_norm(block_input), cos, sin, grad_x, any(need[id(p)] for p in attention))
-    _accumulate(grads, list(attention), attention_grads)  # the caller returns only the needed ones
-    norm_params = [p for p in block.attn_norm.parameters() if need[id(p)]]
-    feature_params = [p for name, m in module.named_children() if name in ("enorm", "hnorm")
-                      for p in m.parameters() if need[id(p)]]
-    projection_grad = None
+    weight_grads = {"attention": None, "projection": None}  # one buffer per weight, every row's gradient added
+    if any(need[id(p)] for p in attention):
+        weight_grads["attention"] = tuple(grads.setdefault(id(p), torch.zeros_like(p)) for p in attention)
     if projection is not None and need[id(projection.weight)]:
-        projection_grad = grads.setdefault(id(projection.weight), torch.zeros_like(projection.weight))
-    grad_embedding = torch.empty_like(embedding) if embedding is not None and need_inputs[1] else None
+        weight_grads["projection"] = grads.setdefault(id(projection.weight), torch.zeros_like(projection.weight))
+    wanted = {key for key, needed in need.items() if needed}
+    grad_embedding = None
+    if embedding is not None and need_inputs[1]:
+        grad_embedding = spent if spent is not None else torch.empty_like(embedding)
+    batch = hidden.shape[0]
+    row_chunks = max(1, chunks // batch)  # token chunks of one row: the whole batch's chunk size
+    for row in range(batch):
+        rows = slice(row, row + 1)
+        _row_input_backward(
+            module, (hidden[rows], None if embedding is None else embedding[rows]),
+            (grad_x[rows], None if grad_embedding is None else grad_embedding[rows]),
+            *(t[rows] if t.shape[0] > 1 else t for t in (cos, sin)), row_chunks, need_inputs, weight_grads,
+            wanted, grads)
+    return (grad_x if need_inputs[0] else None), grad_embedding
+
+
+def _row_input_backward(module, inputs: tuple, input_grads: tuple, cos: Tensor, sin: Tensor, chunks: int,
+                        need_inputs, weight_grads: dict, wanted: set, grads: dict) -> None:
+    """Steps 2 and 3 for one batch row: its block input m and attn_norm(m) without autograd, its attention by head
+    groups, then attn_norm and the block input by token chunks. A row's m, attn_norm(m) and d/dattn_norm(m) are the
+    step's working set (3 · L·H, a B-th of the batch's), alive next to every trunk activation; they die with the
+    call. ``inputs``: the row's (hidden, embedding), (1, L, H) each; ``input_grads``: (d/dx in, d/dhidden out, and
+    the d/dembedding buffer) for the row."""
+    block = module.block
+    projection = getattr(module, "eh_proj", None)
+    grad_x, grad_embedding = input_grads
+    block_input = _block_input(module, *inputs, chunks)  # (1, L, H)
+    attention_grads = weight_grads["attention"]
+    grad_normed_input, _, _ = block.attn.backward_by_group(
+        block.attn_norm(block_input), cos, sin, grad_x, attention_grads is not None, attention_grads)
     for start, input_part in _token_chunks(block_input, chunks):
         window = slice(start, start + input_part.shape[1])
-        leaf = input_part.detach().requires_grad_()
-        with torch.enable_grad():
-            normed_part = block.attn_norm(_non_leaf(leaf))
-        found = _grad([normed_part], [grad_normed_input[:, window]], [leaf] + norm_params)
-        grad_input = found.pop(0).add_(grad_x[:, window])  # attn_norm's branch and the residual's
-        _accumulate(grads, norm_params, found)
+        grad_input = _norm_backward(block.attn_norm, input_part, grad_normed_input[:, window], True, wanted, grads)
+        grad_input.add_(grad_x[:, window])  # attn_norm's branch and the residual's
         if projection is None:  # the block input is the hidden state itself
             grad_x[:, window] = grad_input
             continue
-        leaves = [t[:, window].detach().requires_grad_(needed) for t, needed in zip((hidden, embedding), need_inputs)]
-        with torch.enable_grad():
-            features = module.features(*map(_non_leaf, leaves))  # (B, l, 2H)
-        grad_features = linear_backward(features.detach(), projection.weight, grad_input, projection_grad)
-        found = _grad([features], [grad_features.to(features.dtype)], [t for t in leaves if t.requires_grad]
-                      + feature_params)
-        for t, grad in zip(leaves, (grad_x, grad_embedding)):
-            if t.requires_grad:
-                grad[:, window] = found.pop(0)
-        _accumulate(grads, feature_params, found)
-    return (grad_x if need_inputs[0] else None), grad_embedding
+        parts_in = [t[:, window] for t in inputs]  # h_(k-1), Emb: (1, l, H) each
+        with torch.no_grad():
+            parts = module.feature_parts(*parts_in)  # enorm(Emb), hnorm(h), in eh_proj's column order
+        # eh_proj's backward by column halves: no (1, l, 2H) concatenation or gradient of one
+        projection_grad = weight_grads["projection"]
+        for part, cols, norm, x_in, needed, grad in zip(
+                parts, _column_halves(projection.weight.shape[1]), (module.enorm, module.hnorm), parts_in[::-1],
+                need_inputs[::-1], (grad_embedding, grad_x)):
+            grad_part = linear_backward(part, projection.weight[:, cols], grad_input,
+                                        None if projection_grad is None else projection_grad[:, cols])
+            found = _norm_backward(norm, x_in, grad_part.to(part.dtype), needed, wanted, grads)
+            if needed:
+                grad[:, window] = found
+
+
+def _column_halves(width: int) -> tuple[slice, slice]:
+    return slice(0, width // 2), slice(width // 2, width)
 
 
 def _non_leaf(tensor: Optional[Tensor]) -> Optional[Tensor]:

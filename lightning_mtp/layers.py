@@ -222,21 +222,26 @@ class Attention(nn.Module):
         return out
 
     def backward_by_group(
-        self, x: Tensor, cos: Tensor, sin: Tensor, grad_out: Tensor, weight_grads: bool
+        self, x: Tensor, cos: Tensor, sin: Tensor, grad_out: Tensor, weight_grads: bool,
+        accumulate_into: Optional[tuple[Tensor, Tensor]] = None,
     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Recompute the attention of ``x`` (B, T, dim) one key/value head group at a time and backpropagate
         ``grad_out`` (B, T, dim) through each group straight away: one group's activations are alive at a time.
 
-        Returns d/dx (B, T, dim) and, with ``weight_grads``, the gradients of ``qkv.weight`` and ``proj.weight``.
-        Only the attention itself goes through autograd; the projections and RoPE (a rotation: its backward rotates
-        back) are differentiated by hand, so that d/dx and the weight gradients accumulate in place. The output
-        projection is not rerun: its result is not needed, only its input (the group's heads).
+        Returns d/dx (B, T, dim) and, with ``weight_grads``, the gradients of ``qkv.weight`` and ``proj.weight``:
+        added into ``accumulate_into`` (their two buffers) when given, so that calls on slices of a batch (one row at
+        a time) sum into one gradient. Only the attention itself goes through autograd; the projections and RoPE (a
+        rotation: its backward rotates back) are differentiated by hand, so that d/dx and the weight gradients
+        accumulate in place. The output projection is not rerun: its result is not needed, only its input (the
+        group's heads).
         """
         x, grad_out = x.detach(), grad_out.detach()
         flat_x = x.reshape(-1, x.shape[-1])  # (B*T, dim)
         grad_x = torch.zeros_like(flat_x)
-        grad_qkv = torch.zeros_like(self.qkv.weight) if weight_grads else None
-        grad_proj = torch.zeros_like(self.proj.weight) if weight_grads else None
+        grad_qkv = grad_proj = None
+        if weight_grads:
+            grad_qkv, grad_proj = accumulate_into or (torch.zeros_like(self.qkv.weight),
+                                                      torch.zeros_like(self.proj.weight))
         per_group = self.n_heads // self.n_kv_heads
         for group in range(self.n_kv_heads):
             rows = self.head_group(group)  # of qkv.weight: queries, key, value
@@ -258,6 +263,45 @@ class Attention(nn.Module):
                     _addmm_(grad_qkv[part_rows], grad.t(), flat_x.to(grad.dtype))
             del grads, grad
         return grad_x.view_as(x), grad_qkv, grad_proj
+
+
+def rms_norm_backward(
+    norm: RMSNorm, x: Tensor, grad: Tensor, input_grad: bool = True, weight_grad: Optional[Tensor] = None
+) -> Optional[Tensor]:
+    """The backward of ``norm(x)`` by hand, for :meth:`RMSNorm.forward`'s fp32 path (fp32 ``x``, weight and
+    ``grad``, no autocast: see :func:`rms_norm_backward_applies`): d/dx (..., H) from ``grad`` (..., H) when
+    ``input_grad``, and d/dweight added in place into ``weight_grad`` (H,) when given.
+
+    With y = x · r · w and r = (mean(x²) + eps)^(-1/2) per row: d/dx = r · (g·w − x̂ · mean(g·w · x̂)) with
+    x̂ = x · r, and d/dw = Σ_rows g · x̂. At most three (..., H) temporaries are alive at a time; autograd through
+    ``F.rms_norm`` (a decomposition on CPU) keeps five and runs more ops.
+
+    Example::
+
+        >>> import torch
+        >>> norm, x, g = RMSNorm(8), torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+        >>> expected, = torch.autograd.grad(norm(x), x, g)
+        >>> torch.allclose(rms_norm_backward(norm, x.detach(), g), expected, atol=1e-6)
+        True
+    """
+    x, grad = x.detach(), grad.detach()
+    weight = norm.weight.detach()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.eps))  # (..., 1)
+    x_hat = x * rstd  # (..., H)
+    if weight_grad is not None:
+        weight_grad.add_((grad * x_hat).reshape(-1, x.shape[-1]).sum(0))
+    if not input_grad:
+        return None
+    grad_normed = grad * weight  # (..., H)
+    dot = torch.linalg.vecdot(grad_normed, x_hat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1) mean(g·w · x̂)
+    return grad_normed.sub_(x_hat.mul_(dot)).mul_(rstd)
+
+
+def rms_norm_backward_applies(norm: nn.Module, x: Tensor) -> bool:
+    """Whether :func:`rms_norm_backward` computes ``norm``'s backward at ``x``: an :class:`RMSNorm` on its fp32 path
+    (fp32 input and weight, autocast off); anything else goes through autograd."""
+    return (isinstance(norm, RMSNorm) and x.dtype == torch.float32 and norm.weight.dtype == torch.float32
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, weight_grad: Optional[Tensor] = None) -> Tensor:

@@ -189,9 +189,11 @@ def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
 
 MLP_RECOMPUTE_CHUNKS = 8
 """Token chunks in which a recomputed depth reruns its position-wise pieces (the MLP, whose SwiGLU activations are
-the block's largest, the norms and the cascaded mix): one chunk's activations and gradients, about 3 · B·L·H for a
-Llama-shaped SwiGLU, are alive at a time, less than the attention step needs. More chunks save no memory there
-(``benchmarks/train_overhead.py`` shape) and cost time: smaller matrix products, more calls."""
+the block's largest, the norms and the cascaded mix); the attention step's per-row pieces take this many chunks per
+batch (``MLP_RECOMPUTE_CHUNKS // B`` per row). One MLP chunk's activations and gradients, about 3 · B·L·H / chunks
+·(hidden / H) for a Llama-shaped SwiGLU, sit on top of every trunk activation: at 8 chunks they were the largest
+piece of recompute's peak (``benchmarks/train_overhead.py`` shape, 6 MiB); at 16 they are below the attention
+step's. More chunks cost time: smaller matrix products, more calls."""
 
 
 def run_depth(

@@ -223,6 +223,34 @@ def test_attention_by_head_group_equals_the_whole_attention_forward_and_backward
     assert sorted(i for r in rows for i in range(r.start, r.stop)) == list(range(attention.qkv.out_features))
 
 
+def test_rms_norm_and_swiglu_backward_by_hand_match_autograd():
+    """The recompute path's hand-written backwards: RMSNorm's (d/dx, d/dweight accumulated into a buffer, or the
+    weight alone) and the SwiGLU gate's (written over its input) equal autograd's."""
+    from lightning_mtp.heads import _swiglu_backward
+    from lightning_mtp.layers import rms_norm_backward, rms_norm_backward_applies
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16)
+    norm.weight.data = torch.randn(16)
+    x, grad = torch.randn(2, 7, 16, requires_grad=True) * 3, torch.randn(2, 7, 16)
+    want_x, want_weight = torch.autograd.grad(norm(x), [x, norm.weight], grad)
+    weight_grad = torch.ones(16)  # accumulates: starts from a previous chunk's sum
+    torch.testing.assert_close(rms_norm_backward(norm, x, grad, True, weight_grad), want_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight_grad, want_weight + 1, rtol=1e-5, atol=1e-6)
+    assert rms_norm_backward(norm, x, grad, False, weight_grad) is None
+    torch.testing.assert_close(weight_grad, 2 * want_weight + 1, rtol=1e-5, atol=1e-6)
+    assert rms_norm_backward_applies(norm, x) and not rms_norm_backward_applies(norm, x.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not rms_norm_backward_applies(norm, x)
+
+    gate_up = torch.randn(2, 5, 12, requires_grad=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    grad = torch.randn(2, 5, 6)
+    want, = torch.autograd.grad(F.silu(gate) * up, gate_up, grad)
+    got = _swiglu_backward(gate_up.detach().clone(), grad.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_block_halves_compose_to_the_block_and_linear_backward_matches_autograd():
     torch.manual_seed(0)
     block = Block(32, 4, 2, 64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -268,6 +270,83 @@ def test_recompute_under_bf16_autocast_matches_the_plain_backward(make_tiny_mode
     for name, expected in ref_grads.items():
         scale = float(expected.abs().max())
         torch.testing.assert_close(grads[name], expected, atol=3e-2 * scale, rtol=0, msg=name)
+
+
+def test_recompute_writes_the_embedding_gradient_into_the_consumed_normed_gradient(make_tiny_model, monkeypatch):
+    """A recomputed cascaded depth puts d/dEmb into the storage of d/dnorm(h_k) (consumed by then) in a real step, and
+    only a gradient lying in the depth's own normed storage qualifies: a copy, another shape or a strided view does
+    not (autograd promises nothing about who else holds those)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lightning_mtp import heads
+
+    normed, embedding = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    own = StorageWeakRef(normed.untyped_storage())
+    assert heads._spent_buffer(normed.view(10, 8).view(2, 5, 8), own, embedding) is not None
+    for grad, emb in [(normed.clone(), embedding), (normed, torch.randn(2, 4, 8)), (normed, None),
+                      (normed.transpose(0, 1), torch.randn(5, 2, 8))]:
+        assert heads._spent_buffer(grad, own, emb) is None
+    used, original = [], heads._spent_buffer
+    monkeypatch.setattr(heads, "_spent_buffer", lambda *args: used.append(original(*args)) or used[-1])
+    model = make_tiny_model(depth=3, recompute=True)
+    model.compute_lm_loss(torch.randint(0, 61, (2, 12))).loss.backward()
+    assert len(used) == 3 and all(buffer is not None for buffer in used)
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+@pytest.mark.parametrize("share_embedding", [True, False])
+def test_cascaded_depths_read_the_trunks_own_embedding_lookup(make_tiny_model, monkeypatch, architecture,
+                                                                share_embedding):
+    """compute_lm_loss looks the tokens up once when the depths share the trunk's embedding (they read the trunk's
+    lookup), and the loss and every gradient equal those of a separate lookup."""
+    from lightning_mtp.mixin import objective
+
+    def run(reuse):
+        model = make_tiny_model(depth=2, architecture=architecture, share_embedding=share_embedding, recompute=True)
+        calls = []
+        model.embed.register_forward_hook(lambda module, args, out: calls.append(1))
+        if not reuse:
+            monkeypatch.setattr(objective.TrunkEmbeddings, "capture", lambda host, ids: contextlib.nullcontext())
+        torch.manual_seed(2)
+        result = loss_and_gradients(model, torch.randint(0, 61, (3, 11)), None)
+        monkeypatch.undo()
+        return result, len(calls)
+
+    (reused, calls), (separate, separate_calls) = run(True), run(False)
+    assert calls == 1
+    assert separate_calls == (2 if architecture == "cascaded" and share_embedding else 1)
+    assert_same_loss_and_gradients(reused, separate)
+
+
+def test_a_trunk_that_changes_its_embedding_output_in_place_gets_a_fresh_lookup_for_the_depths(make_tiny_model):
+    """A host that scales the lookup in place after the embedding returns it: the depths must still read Emb(t), so
+    the caught tensor is refused (its version moved) and looked up again, as without the reuse."""
+    from lightning_mtp.mixin import objective
+
+    model = make_tiny_model(depth=2)
+
+    def trunk(input_ids):
+        x = model.embed(input_ids)
+        x.mul_(3.0)  # in place: the lookup the hook caught is no longer Emb(t)
+        cos, sin = model.rope(input_ids.shape[1])
+        for layer in model.layers:
+            x = layer(x, cos, sin)
+        return x
+
+    model.mtp_trunk_hidden_states = trunk
+    input_ids = torch.randint(0, 61, (2, 10))
+    got = model.compute_lm_loss(input_ids).depth_losses
+    with torch.no_grad():
+        fwd = model.mtp_forward(trunk(input_ids), input_ids)  # a separate lookup of the raw embedding
+        want = torch.stack([F.cross_entropy(model.lm_head(h[:, : 10 - k - 2]).flatten(0, 1),
+                                            input_ids[:, k + 2 :].flatten())
+                            for k, h in enumerate(fwd.depth_hidden)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    caught = objective.TrunkEmbeddings(input_ids)
+    caught._hook(model.embed, (input_ids,), model.embed(input_ids))
+    assert caught.get(torch.Size((2, 10, 32))) is not None
+    caught.output.mul_(2.0)
+    assert caught.get(torch.Size((2, 10, 32))) is None
 
 
 @pytest.mark.parametrize("architecture", ["cascaded", "parallel"])

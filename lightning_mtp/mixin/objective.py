@@ -3,11 +3,12 @@ head, add the registered loss terms (:meth:`MTPObjective.compute_lm_loss`, :meth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mtp.loss import DepthLossPart, DepthLossSpec, combine_parts, depth_targets, run_depth, score_jointly
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
@@ -51,12 +52,13 @@ class MTPObjective:
 
     def _run_depths(
         self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool,
-        run_depths: Optional[int] = None,
+        run_depths: Optional[int] = None, trunk_embeddings: Optional[TrunkEmbeddings] = None,
     ) -> tuple[MTPForward, list[DepthLossSpec]]:
         """The depth loop over ``run_depths`` depths (default: the active ones); loss specs for the active depths
         only, weighted λ / active · w_k. With ``recompute`` each depth (module and output norm) keeps, between forward
         and backward, only its inputs and the block's mid residual, and its backward reruns it once
-        (:func:`run_depth`)."""
+        (:func:`run_depth`). ``trunk_embeddings``: the trunk's own lookup of ``input_ids``, which the cascaded depths
+        read instead of a second lookup when the draft embedding is the trunk's (:class:`TrunkEmbeddings`)."""
         modules = self.require_mtp_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
@@ -73,8 +75,13 @@ class MTPObjective:
             embedding = self.mtp_draft_embedding()
             shared = embedding is self.mtp_token_embedding()
             # detach_trunk keeps the MTP loss out of the host's embedding, not out of the MTP modules' own one.
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not (cfg.detach_trunk and shared)):
-                embeddings = embedding(input_ids)  # (B, T, H)
+            grad = torch.is_grad_enabled() and not (cfg.detach_trunk and shared)
+            embeddings = trunk_embeddings.get(hidden.shape) if shared and trunk_embeddings is not None else None
+            if embeddings is not None:
+                embeddings = embeddings if grad else embeddings.detach()
+            else:
+                with torch.set_grad_enabled(grad):
+                    embeddings = embedding(input_ids)  # (B, T, H)
         cos, sin = self.mtp_rope(T)
         recompute = cfg.recompute and torch.is_grad_enabled()
         scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
@@ -161,8 +168,9 @@ class MTPObjective:
 
     def compute_lm_loss(self, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
         """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked."""
-        hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True)
+        with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
+            hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, trunk_embeddings=trunk_embeddings)
         return self._score(fwd, specs, self._main_loss_spec(hidden, fwd))
 
     def _main_loss_spec(self, hidden: Tensor, fwd: MTPForward) -> DepthLossSpec:
@@ -170,3 +178,51 @@ class MTPObjective:
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
         return DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
                              self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
+
+
+class TrunkEmbeddings:
+    """The output of the trunk's embedding lookup of ``input_ids``, caught while the trunk runs, for the cascaded
+    depths to read.
+
+    Depth k reads Emb(t(i+k)), a shifted window of the very lookup the trunk's first layer reads. Reusing it saves a
+    second (B, T, H) lookup and its gradient accumulator in backward (the depths' d/dEmb then flows into the trunk's
+    embedding output, one embedding backward for all). It is caught by a forward hook on the token embedding for the
+    duration of :meth:`capture`, taken only from a call on ``input_ids`` (or a tensor equal to it), and refused
+    (``get`` returns ``None``, so the depths look the tokens up again) when the host changed it in place afterwards,
+    its shape is not (B, T, H) or it is an inference tensor (no version counter to tell); a trunk whose compiled
+    graph skips the hook simply leaves nothing to reuse.
+    """
+
+    def __init__(self, input_ids: Tensor):
+        self.input_ids = input_ids
+        self.output: Optional[Tensor] = None
+        self.version = -1
+
+    def _hook(self, module: nn.Module, args: tuple, output) -> None:
+        ids = args[0] if args else None
+        if not isinstance(output, Tensor) or not isinstance(ids, Tensor) or output.is_inference():
+            return  # an inference tensor has no version counter: an in-place change could not be told
+        if ids is self.input_ids or (ids.shape == self.input_ids.shape and torch.equal(ids, self.input_ids)):
+            self.output, self.version = output, output._version  # a view or copy of the ids (GPT-2 reshapes them)
+
+    def get(self, shape: torch.Size) -> Optional[Tensor]:
+        """The caught lookup (B, T, H) if it is intact and of ``shape``, else ``None``."""
+        out = self.output
+        if out is None or out._version != self.version or tuple(out.shape) != tuple(shape):
+            return None
+        return out
+
+    @classmethod
+    @contextlib.contextmanager
+    def capture(cls, host, input_ids: Tensor) -> Iterator[Optional[TrunkEmbeddings]]:
+        """Catch the trunk's lookup while the block runs; yields ``None`` where nothing would read it (a parallel
+        architecture, or cascaded depths with an embedding of their own)."""
+        if host.mtp_config.architecture != "cascaded" or host.mtp_draft_embedding() is not host.mtp_token_embedding():
+            yield None
+            return
+        caught = cls(input_ids)
+        handle = host.mtp_token_embedding().register_forward_hook(caught._hook)
+        try:
+            yield caught
+        finally:
+            handle.remove()
