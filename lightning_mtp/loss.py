@@ -189,11 +189,11 @@ def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
 
 MLP_RECOMPUTE_CHUNKS = 8
 """Token chunks in which a recomputed depth reruns its position-wise pieces (the MLP, whose SwiGLU activations are
-the block's largest, the norms and the cascaded mix); the attention step's per-row pieces take this many chunks per
-batch (``MLP_RECOMPUTE_CHUNKS // B`` per row). One MLP chunk's activations and gradients, about 3 · B·L·H / chunks
-·(hidden / H) for a Llama-shaped SwiGLU, sit on top of every trunk activation: at 8 chunks they were the largest
-piece of recompute's peak (``benchmarks/train_overhead.py`` shape, 6 MiB); at 16 they are below the attention
-step's. More chunks cost time: smaller matrix products, more calls."""
+the block's largest, the norms and the cascaded mix); the per-row pieces of its attention half take this many chunks
+per batch (``MLP_RECOMPUTE_CHUNKS // B`` per row). A chunk's working set sits on top of every trunk activation: with
+the SwiGLU gate differentiated in place (``heads._swiglu_backward``) an MLP chunk holds about 3.5 MiB at the
+``benchmarks/train_overhead.py`` shape, below the attention half's per-row set. More chunks save little more and cost
+time: 16 chunks measured 0.2 s dearer per step there (smaller products, more calls)."""
 
 
 def run_depth(
