@@ -93,6 +93,34 @@ def test_training_loss_backpropagates_into_trunk_and_heads():
     assert all(p.grad is not None for p in model.mtp_modules.parameters())
 
 
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_cascaded_depths_read_the_transformers_trunks_embedding_lookup(model_type, monkeypatch):
+    """The depths reuse the trunk's lookup of the ids on every host (GPT-2 looks up a reshaped view of them): one
+    embedding call per training step, and the loss and every gradient equal those of a second lookup."""
+    import contextlib
+
+    from lightning_mtp.mixin import objective
+
+    input_ids = torch.randint(4, VOCAB, (2, 16))
+    runs = []
+    for reuse in (True, False):
+        model = hf_model(model_type, depth=2).train()
+        calls = []
+        model.trunk.get_input_embeddings().register_forward_hook(lambda module, args, out, calls=calls: calls.append(1))
+        if not reuse:
+            monkeypatch.setattr(objective.TrunkEmbeddings, "capture", lambda host, ids: contextlib.nullcontext())
+        torch.manual_seed(1)
+        out = model.compute_lm_loss(input_ids)
+        params = [p for p in model.parameters() if p.requires_grad]
+        runs.append((out.loss, torch.autograd.grad(out.loss, params), len(calls)))
+        monkeypatch.undo()
+    (loss, grads, calls), (ref_loss, ref_grads, ref_calls) = runs
+    assert (calls, ref_calls) == (1, 2)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------- decoding
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_speculative_greedy_equals_transformers_generate_batch_1(models, model_type):
