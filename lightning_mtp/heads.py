@@ -353,8 +353,8 @@ def _row_input_backward(module, inputs: tuple, input_grads: tuple, cos: Tensor, 
     """Steps 2 and 3 for one batch row: its block input m and attn_norm(m) without autograd, its attention by head
     groups, then attn_norm and the block input by token chunks. A row's m, attn_norm(m) and d/dattn_norm(m) are the
     step's working set (3 · L·H, a B-th of the batch's), alive next to every trunk activation; they die with the
-    call. ``inputs``: the row's (hidden, embedding), (1, L, H) each; ``input_grads``: (d/dx in, d/dhidden out, and
-    the d/dembedding buffer) for the row."""
+    call. ``inputs``: the row's (hidden, embedding), (1, L, H) each; ``input_grads``: the row's d/dx (read, then
+    overwritten with d/dhidden) and its d/dembedding buffer."""
     block = module.block
     projection = getattr(module, "eh_proj", None)
     grad_x, grad_embedding = input_grads
