@@ -35,6 +35,7 @@ samples reproducible everywhere).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -203,7 +204,12 @@ class AutoPolicy:
         if self.options[0] is not None:
             return False
         rates = self._all_rates()
-        return max(rates[1:]) < RETIRE_HOPELESS * self.margin * rates[0]
+        return self._hopeless(rates, max(range(1, len(rates)), key=rates.__getitem__), 0)
+
+    def _hopeless(self, rates: list[float], drafting: Optional[int], plain: int) -> bool:
+        """Whether the best drafting option (index ``drafting``) is below ``RETIRE_HOPELESS`` of what it must reach,
+        the plain step's rate times the margin (no drafting option: hopeless)."""
+        return drafting is None or rates[drafting] < RETIRE_HOPELESS * self.margin * rates[plain]
 
     def start_plain(self) -> None:
         """Decode this call plainly from its first step (the decoding loop drops the drafter)."""
@@ -257,10 +263,11 @@ class AutoPolicy:
     def rate(self, option: Optional[TreeShape]) -> float:
         return self.expected_tokens(option) / self.seconds(option)
 
-    def _all_rates(self) -> list[float]:
-        """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options)."""
+    def _all_rates(self, step_seconds: Optional[dict[str, float]] = None) -> list[float]:
+        """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options), at the
+        measured prices or at ``step_seconds``."""
         reach_sums: dict[tuple[int, int], float] = {}
-        seconds = self.memory.step_seconds
+        seconds = self.memory.step_seconds if step_seconds is None else step_seconds
         rates = []
         for option, key in zip(self.options, self.keys):
             if option is None or option.dynamic:
@@ -272,12 +279,7 @@ class AutoPolicy:
 
     def contenders(self, step_seconds: dict[str, float], count: int) -> list[TreeShape]:
         """The ``count`` drafting options with the best expected rate at prices ``step_seconds`` (best first)."""
-        saved = self.memory.costs.step_seconds
-        self.memory.costs.step_seconds = step_seconds
-        try:
-            rates = self._all_rates()
-        finally:
-            self.memory.costs.step_seconds = saved
+        rates = self._all_rates(step_seconds)
         ranked = sorted((i for i, o in enumerate(self.options) if o is not None), key=lambda i: -rates[i])
         return [self.options[i] for i in ranked[:count]]
 
@@ -300,13 +302,13 @@ class AutoPolicy:
             best = drafting  # explore: learn the acceptance first
         self.plain_run = self.plain_run + 1 if best == plain else 0
         if (best == plain and drafting is not None and self.plain_run % CLOSE_PROBE_EVERY == 0
-                and rates[drafting] >= RETIRE_HOPELESS * self.margin * rates[plain]):
+                and not self._hopeless(rates, drafting, plain)):
             best = drafting  # a close call: the probe costs about nothing and its evidence may turn the choice
         if self.plain_run == RETIRE_AFTER:
             # This call retires. The next ones start plainly only when drafting looked clearly unprofitable; where
             # it was close (its rate within RETIRE_HOPELESS of plain's), another prompt may well pay, so they decide
             # afresh (measured: one harder prompt retired auto for the next six, where a chain of 2 gave 1.29x).
-            hopeless = drafting is None or rates[drafting] < RETIRE_HOPELESS * self.margin * rates[plain]
+            hopeless = self._hopeless(rates, drafting, plain)
             self.memory.retired_calls = self.memory.retired_calls + 1 if hopeless else 0
         elif self.plain_run == 0:
             self.memory.retired_calls = 0
@@ -417,15 +419,9 @@ class RoundRobin:
         seconds (inside the drafting loop)."""
         if not self.plain:
             return {}
-        out = {"plain": _median(self.plain)}
-        out.update({key: _median(values) for key, values in self.ratios.items()})
+        out = {"plain": statistics.median(self.plain)}
+        out.update({key: statistics.median(values) for key, values in self.ratios.items()})
         return out
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

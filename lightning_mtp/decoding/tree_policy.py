@@ -11,6 +11,7 @@ several processes (every rank must run the same forwards) and when a chain-only 
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Callable, Optional
 
 import torch
@@ -167,7 +168,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
         # as the plain loop's (measured 0.96-1.05 of it; DRAFT_MARGIN covers the difference). So every comparison the
         # policy makes rests on ratios of near steps only: the plain loop is timed seconds apart from the round robin
         # on a machine that drifts, and scaling by their unpaired ratio moved prices by 10-20% from run to run.
-        unit = sorted(loop_samples)[len(loop_samples) // 2]
+        unit = statistics.median(loop_samples)
     costs.step_seconds.update({key: (unit if key == "plain" else ratio * unit) for key, ratio in measured.items()})
     costs.calibrated_context = longest + segment // 2
     costs.acceptance = dict(steps.policy.memory.acceptance)
