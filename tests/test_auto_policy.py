@@ -141,6 +141,21 @@ def test_a_close_retirement_leaves_the_next_call_to_decide_afresh():
     assert CALL_START_EVIDENCE < MIN_EVIDENCE
 
 
+def test_each_acceptance_estimate_keeps_its_own_evidence_at_a_calls_start():
+    """At a call's start every (depth, rank) count is capped at CALL_START_EVIDENCE tries on its own, its rate kept:
+    a rarely tried second-ranked sibling that was never accepted stays near zero instead of falling back to its prior
+    (scaled by depth 1's factor, its 20 tries became 2.4 and the estimate rose from 0.02 to 0.1)."""
+    from lightning_mtp.decoding.auto import CALL_START_EVIDENCE
+
+    memory = AutoMemory(StepCosts({"plain": 1.0}))
+    memory.acceptance = {(1, 0): (45.0, 50.0), (1, 1): (0.0, 20.0), (2, 0): (3.0, 4.0)}
+    policy = AutoPolicy(memory, [None, TreeShape.chain(2), TreeShape(branching=(2, 1))])
+    assert memory.acceptance[(1, 0)] == pytest.approx((0.9 * CALL_START_EVIDENCE, CALL_START_EVIDENCE))
+    assert memory.acceptance[(1, 1)] == pytest.approx((0.0, CALL_START_EVIDENCE))
+    assert memory.acceptance[(2, 0)] == (3.0, 4.0)  # fewer tries than the cap: kept as it is
+    assert policy._acceptance(1, 1) < 0.05
+
+
 def test_a_call_retired_from_its_start_never_touches_the_drafter(models):
     """After a call retired drafting, the next calls (but every RECHECK_EVERY-th) decode plainly from the first step:
     the drafter's caches are not even allocated, and the output still equals plain decoding."""

@@ -10,7 +10,9 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   both: attention reads every cached position, and accepted drafts make the MTP modules recompute more); a call
   whose context is far from the calibrated one calibrates again. Each drafting option is timed against a steady
   plain step three steps before it, so drift on a shared machine cancels, and every comparison rests on such paired
-  ratios (the plain decoding loop, timed too, is only their unit); the best few options are timed again. Prices are
+  ratios (the plain decoding loop, timed too, is only their unit); the best few options are timed again, and each
+  option's price is pooled with a cost model fitted through all of them (:mod:`~lightning_mtp.decoding.step_prices`:
+  an option's own few ratios are noisy, and the policy would take whichever came out cheapest). Prices are
   not updated during decoding: a running average of step times drifts with the machine while the plain price it is
   weighed against does not;
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
@@ -39,6 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from lightning_mtp.decoding.step_prices import pooled_ratios
 from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 
@@ -83,7 +86,7 @@ RETIRE_HOPELESS = 0.9
 fraction of what it had to reach (a plain step's times the margin): clearly unprofitable; closer calls leave the next
 ones to decide afresh."""
 CALL_START_EVIDENCE = MIN_EVIDENCE / 2
-"""At a call's start the acceptance counts of earlier calls are scaled down to this many depth-1 tries: prompts
+"""At a call's start each acceptance count of earlier calls is scaled down to at most this many tries: prompts
 differ, and with fewer than ``MIN_EVIDENCE`` tries the call drafts a few steps to learn its own acceptance."""
 CALIBRATION_SAMPLES = 48
 """Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
@@ -182,19 +185,19 @@ class AutoPolicy:
 
     def begin_call(self) -> None:
         """A call's start: plain from the first step when earlier calls retired (but every ``RECHECK_EVERY``-th),
-        else the acceptance counts known so far are kept at the weight of ``CALL_START_EVIDENCE`` tries."""
+        else each acceptance count known so far is kept at the weight of at most ``CALL_START_EVIDENCE`` tries."""
         memory = self.memory
         self._rates = None
         if memory.retired_calls and memory.calls % RECHECK_EVERY and self.options[0] is None:
             self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
             return
-        # A new call, probably new prompts: earlier calls' acceptance counts are kept at the weight of
-        # CALL_START_EVIDENCE tries (their rates unchanged), so this call's own drafts soon outweigh them.
-        tried = memory.acceptance.get((1, 0), (0.0, 0.0))[1]
-        if tried > CALL_START_EVIDENCE:
-            shrink = CALL_START_EVIDENCE / tried
-            memory.acceptance = {key: (hits * shrink, count * shrink)
-                                 for key, (hits, count) in memory.acceptance.items()}
+        # A new call, probably new prompts: each of earlier calls' acceptance counts is kept at the weight of at
+        # most CALL_START_EVIDENCE tries (its rate unchanged), so this call's own drafts soon outweigh them. Each on
+        # its own: scaled all by depth 1's factor, a rarely tried key (a second-ranked sibling, tried by the few tree
+        # steps) fell to a fraction of a try and its prior returned (measured on the transformers host: at every
+        # call's start the tree [4, 2] looked 18% better than the chain of 2 again, and was taken in 18% of steps).
+        memory.acceptance = {key: _at_most(hits, count, CALL_START_EVIDENCE)
+                             for key, (hits, count) in memory.acceptance.items()}
 
     def hopeless(self) -> bool:
         """Whether, at the acceptance known now, every drafting option's expected rate is below ``RETIRE_HOPELESS``
@@ -219,7 +222,7 @@ class AutoPolicy:
         """How often (forgotten counts) a depth-1 best candidate has been tried: the evidence behind the estimates."""
         return self.memory.acceptance.get((1, 0), (0.0, 0.0))[1]
 
-    def _acceptance(self, depth: int, rank: int) -> float:
+    def _acceptance(self, depth: int, rank: int, memo: Optional[dict] = None) -> float:
         """P(rank-``rank`` candidate at ``depth`` accepted | parent accepted): the counts with a prior worth
         ``PRIOR_WEIGHT`` observations at first, so that a few rejections at batch 1 cannot lock the policy into plain
         steps, fading as tries accumulate (``PRIOR_WEIGHT² / (PRIOR_WEIGHT + tried)``): once earlier calls have
@@ -228,11 +231,16 @@ class AutoPolicy:
         prior of a depth below the first is the estimate of the depth above (its best candidate's): a depth rarely
         drafted is expected to accept like its parent (measured on that host: 0.74 and 0.93 at depths 2 and 3 given
         the depth above, where a flat 0.6 kept the chain of 3, 1.10x, from ever being chosen)."""
-        base = PRIOR_ACCEPTANCE if depth <= 1 else self._acceptance(depth - 1, 0)
+        if memo is not None and (depth, rank) in memo:
+            return memo[(depth, rank)]
+        base = PRIOR_ACCEPTANCE if depth <= 1 else self._acceptance(depth - 1, 0, memo)
         prior = base / (rank + 1) ** 2
         hits, tried = self.memory.acceptance.get((depth, rank), (0.0, 0.0))
         weight = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + tried)
-        return (hits + prior * weight) / (tried + weight)
+        estimate = (hits + prior * weight) / (tried + weight)
+        if memo is not None:
+            memo[(depth, rank)] = estimate
+        return estimate
 
     def expected_tokens(self, option: Optional[TreeShape]) -> float:
         """1 + expected accepted drafts per row. A static tree's nodes at depth d are every combination of ranks,
@@ -243,15 +251,17 @@ class AutoPolicy:
             return self.memory.measured_tau.get(option.describe(), 1.0 + option.depth * PRIOR_ACCEPTANCE)
         return self._static_tokens(option, {})
 
-    def _static_tokens(self, option: TreeShape, reach_sums: dict[tuple[int, int], float]) -> float:
+    def _static_tokens(self, option: TreeShape, reach_sums: dict[tuple[int, int], float],
+                       estimates: Optional[dict] = None) -> float:
         """:meth:`expected_tokens` of a static tree; ``reach_sums`` caches min(1, sum of the first b ranks'
-        acceptance) per (depth, b) across the options of one :meth:`next`."""
+        acceptance) per (depth, b), and ``estimates`` each (depth, rank)'s acceptance, across the options of one
+        :meth:`next`."""
         total, reach = 1.0, 1.0
         for depth, branch in enumerate(option.branching, start=1):
             reached = reach_sums.get((depth, branch))
             if reached is None:
                 reached = reach_sums[(depth, branch)] = min(
-                    1.0, sum(self._acceptance(depth, rank) for rank in range(branch)))
+                    1.0, sum(self._acceptance(depth, rank, estimates) for rank in range(branch)))
             reach *= reached
             total += reach
         return total
@@ -267,13 +277,14 @@ class AutoPolicy:
         """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options), at the
         measured prices or at ``step_seconds``."""
         reach_sums: dict[tuple[int, int], float] = {}
+        estimates: dict[tuple[int, int], float] = {}
         seconds = self.memory.step_seconds if step_seconds is None else step_seconds
         rates = []
         for option, key in zip(self.options, self.keys):
             if option is None or option.dynamic:
                 tokens = self.expected_tokens(option)
             else:
-                tokens = self._static_tokens(option, reach_sums)
+                tokens = self._static_tokens(option, reach_sums, estimates)
             rates.append(tokens / seconds.get(key, float("inf")))
         return rates
 
@@ -422,6 +433,22 @@ class RoundRobin:
         out = {"plain": statistics.median(self.plain)}
         out.update({key: statistics.median(values) for key, values in self.ratios.items()})
         return out
+
+    def prices(self) -> dict[str, float]:
+        """:meth:`medians`, with each drafting option's ratio pooled with a cost model fitted across all options
+        (:func:`~lightning_mtp.decoding.step_prices.pooled_ratios`: an option's own few ratios are noisy)."""
+        out = self.medians()
+        if out:
+            shapes = {option.describe(): option for option in self.options if option is not None}
+            out.update(pooled_ratios(self.ratios, shapes))
+        return out
+
+
+def _at_most(hits: float, tried: float, evidence: float) -> tuple[float, float]:
+    """(hits, tried) scaled down to ``evidence`` tries when there are more (the rate kept)."""
+    if tried <= evidence:
+        return hits, tried
+    return hits * evidence / tried, evidence
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

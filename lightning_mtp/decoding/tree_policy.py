@@ -152,9 +152,9 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
         _run_segments(calibration, run, prompts, lengths, segment)
         if len(calibration.drafting) > REFINE_OPTIONS:
             # the contenders' prices decide: time them again (their estimate, with what calibration saw accepted)
-            calibration.refine([None] + steps.policy.contenders(calibration.medians(), REFINE_OPTIONS), REFINE_ROUNDS)
+            calibration.refine([None] + steps.policy.contenders(calibration.prices(), REFINE_OPTIONS), REFINE_ROUNDS)
             _run_segments(calibration, run, prompts, lengths, segment)
-        measured = calibration.medians()
+        measured = calibration.prices()
     finally:
         steps.calibration = None
     costs = steps.policy.memory.costs
