@@ -239,7 +239,7 @@ def test_plain_steps_are_priced_at_the_plain_loop_step_time():
     steps taken inside the drafting loop do not move that price."""
     from types import SimpleNamespace
 
-    from lightning_mtp.decoding.tree_policy import plain_loop_samples
+    from lightning_mtp.decoding.calibration import plain_loop_samples
 
     calls = []
 
@@ -258,7 +258,7 @@ def test_calibration_decodes_the_calls_own_prompts_and_again_far_from_their_cont
     from lightning_mtp import MTPConfig
     from lightning_mtp.decoding import speculative
     from lightning_mtp.decoding.auto import RECALIBRATE_CONTEXT
-    from lightning_mtp.decoding.tree_policy import CALIBRATION_MIN_SEGMENT
+    from lightning_mtp.decoding.calibration import CALIBRATION_MIN_SEGMENT
     from lightning_mtp.models import CausalLM, ModelConfig
 
     torch.manual_seed(0)
@@ -300,7 +300,7 @@ def test_calibration_times_each_option_against_a_steady_plain_step():
     twice; X's second step is timed as a ratio to the third plain step (drift cancels; the first steps of a kind also
     pay for the switch: the MTP modules catch up, the plain steps after a draft run colder), a new decode starts at a
     pattern's first step, and a refinement adds rounds over the contenders to the same samples."""
-    from lightning_mtp.decoding.auto import RoundRobin
+    from lightning_mtp.decoding.calibration import RoundRobin
 
     options = [None, TreeShape.chain(1), TreeShape.chain(2)]
     cost = {None: 1.0, TreeShape.chain(1): 2.0, TreeShape.chain(2): 3.0}

@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from lightning_mtp.decoding.auto import RoundRobin, candidate_options
+from lightning_mtp.decoding.auto import candidate_options
+from lightning_mtp.decoding.calibration import RoundRobin
 from lightning_mtp.decoding.step_prices import (
     MIN_POOLED_OPTIONS,
     POOL_WEIGHT,

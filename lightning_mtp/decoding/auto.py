@@ -6,7 +6,7 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
 
 * **costs** are measured: at the first call for a model / batch size / device / mode, a short calibration decodes
   the call's own prompts for its number of new tokens, taking every option in turn for several rounds
-  (:class:`RoundRobin`), so steps are timed at the call's context and with its acceptance (step costs grow with
+  (``calibration.RoundRobin``), so steps are timed at the call's context and with its acceptance (step costs grow with
   both: attention reads every cached position, and accepted drafts make the MTP modules recompute more); a call
   whose context is far from the calibrated one calibrates again. Each drafting option is timed against a steady
   plain step three steps before it, so drift on a shared machine cancels, and every comparison rests on such paired
@@ -37,11 +37,9 @@ samples reproducible everywhere).
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from lightning_mtp.decoding.step_prices import pooled_ratios
 from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 
@@ -353,95 +351,6 @@ class AutoPolicy:
             for rank, hits in enumerate(per_rank):
                 old_hits, old_tried = memory.acceptance.get((depth, rank), (0.0, 0.0))
                 memory.acceptance[(depth, rank)] = (FORGET * old_hits + hits, FORGET * old_tried + reached)
-
-
-class RoundRobin:
-    """Calibration policy: for every drafting option X in turn, three plain steps then X twice, each round; X's second
-    step is timed against the third plain step, three steps before it.
-
-    The ratio of two near steps cancels what drifts on a shared machine (measured here: the same step costs up to 15%
-    more or less from one tenth of a second to the next), which timing the options one after another does not. Only
-    steady steps are timed: a plain step soon after drafting steps runs colder (on the 12-layer benchmark model the
-    first plain step after a chain of 2 measured 5% dearer than steady plain steps, the second 4.5%, the third 1-3%;
-    on the ``transformers`` host the first 17%), and the first X after plain steps also catches the MTP modules up on
-    the positions they skipped, which steady decoding with X does not. A warm-up takes every option once, untimed.
-    ``medians()`` gives each option's median ratio; the timed plain steps' median is reported.
-    """
-
-    PATTERN = 5
-    """Steps per option and round: plain, plain, plain, X, X."""
-
-    def __init__(self, options: list[Optional[TreeShape]], rounds: int = 3) -> None:
-        self.options, self.rounds = options, rounds
-        self._set_sequence(options)
-        self.warmup = [None] + self.drafting
-        """Untimed steps first: each option once (the first call of a shape measures its products' path, fills
-        allocator caches)."""
-        self.plain: list[float] = []
-        self.ratios: dict[str, list[float]] = {}
-        self.steps = 0
-        self._last_plain: Optional[float] = None
-
-    def _set_sequence(self, options: list[Optional[TreeShape]]) -> None:
-        self.drafting = [o for o in options if o is not None]
-        self.sequence = [step for o in self.drafting for step in (None, None, None, o, o)] or [None] * self.PATTERN
-
-    def refine(self, options: list[Optional[TreeShape]], rounds: int) -> None:
-        """Go on for ``rounds`` more rounds over ``options`` only (the contenders), adding to the same samples (no
-        warm-up: the machine and model are warm)."""
-        self._set_sequence(options)
-        self.rounds, self.steps, self.warmup, self._last_plain = rounds, 0, [], None
-
-    def next(self) -> Optional[TreeShape]:
-        if self.steps < len(self.warmup):
-            option = self.warmup[self.steps]
-        else:
-            option = self.sequence[(self.steps - len(self.warmup)) % len(self.sequence)]
-        self.steps += 1
-        return option
-
-    def record(self, option: Optional[TreeShape], seconds: float) -> None:
-        step = self.steps - 1 - len(self.warmup)  # the step just taken, counted from the end of the warm-up
-        if step < 0:
-            self._last_plain = None
-            return
-        place = step % self.PATTERN
-        if option is None:
-            self._last_plain = seconds if place == 2 else None  # the third plain step: steady
-            if place == 2:
-                self.plain.append(seconds)
-        elif place == 4 and self._last_plain:  # the second X, against the third plain step
-            self.ratios.setdefault(option.describe(), []).append(seconds / self._last_plain)
-
-    def start_segment(self) -> None:
-        """A new calibration decode starts (prefill): begin at the next pattern's first step (the warm-up goes on
-        where it was)."""
-        done = self.steps - len(self.warmup)
-        if done > 0:
-            self.steps = len(self.warmup) + -(-done // self.PATTERN) * self.PATTERN
-        self._last_plain = None
-
-    @property
-    def done(self) -> bool:
-        return self.steps >= len(self.warmup) + self.rounds * len(self.sequence)
-
-    def medians(self) -> dict[str, float]:
-        """Per drafting option its median ratio to the steady plain step; ``"plain"``: the steady plain steps' median
-        seconds (inside the drafting loop)."""
-        if not self.plain:
-            return {}
-        out = {"plain": statistics.median(self.plain)}
-        out.update({key: statistics.median(values) for key, values in self.ratios.items()})
-        return out
-
-    def prices(self) -> dict[str, float]:
-        """:meth:`medians`, with each drafting option's ratio pooled with a cost model fitted across all options
-        (:func:`~lightning_mtp.decoding.step_prices.pooled_ratios`: an option's own few ratios are noisy)."""
-        out = self.medians()
-        if out:
-            shapes = {option.describe(): option for option in self.options if option is not None}
-            out.update(pooled_ratios(self.ratios, shapes))
-        return out
 
 
 def _at_most(hits: float, tried: float, evidence: float) -> tuple[float, float]:

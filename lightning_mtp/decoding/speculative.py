@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mtp.decoding.calibration import calibrate_steps
 from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, DraftLength
@@ -43,7 +44,7 @@ from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import speculative_step, verify_forward
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
-from lightning_mtp.decoding.tree_policy import AutoSteps, calibrate_steps, draft_plan
+from lightning_mtp.decoding.tree_policy import AutoSteps, draft_plan
 from lightning_mtp.decoding.tree_step import tree_step
 
 

@@ -1,14 +1,14 @@
 """Step prices for ``speculative="auto"``: a cost model fitted across every calibrated option, pooled with each
 option's own measurements.
 
-The calibration (:class:`~lightning_mtp.decoding.auto.RoundRobin`) gives, per drafting option, a few paired ratios of
-its step time to a steady plain step. Taken alone, an option's median of two ratios is noisy (on this project's 2-core
-machine single ratios spread by 20-30%), and the policy then takes the option whose noise came out cheapest: the
-winner's curse (measured on the ``transformers`` host: in one run the tree ``[4, 1]`` took 940 of 980 steps and ``auto``
-decoded at 0.86x of plain; three other calibrations priced that tree at 2.59-2.65 plain steps and the chain of 2, which
-accepts within 4% as much, at 2.20-2.35). But the options share their parts: a step with option X costs one verify
-forward over its N + 1 tokens, one call per drafted depth, the extra tokens those calls run for the tree's nodes, and
-(trees only) the tree verification's mask and cache moves. So every ratio is also a sample of
+The calibration (:class:`~lightning_mtp.decoding.calibration.RoundRobin`) gives, per drafting option, a few paired
+ratios of its step time to a steady plain step. Taken alone, an option's median of two ratios is noisy (on this
+project's 2-core machine single ratios spread by 20-30%), and the policy then takes the option whose noise came out
+cheapest: the winner's curse (measured on the ``transformers`` host: in one run the tree ``[4, 1]`` took 940 of 980
+steps and ``auto`` decoded at 0.86x of plain; three other calibrations priced that tree at 2.59-2.65 plain steps and the
+chain of 2, which accepts within 4% as much, at 2.20-2.35). But the options share their parts: a step with option X
+costs one verify forward over its N + 1 tokens, one call per drafted depth, the extra tokens those calls run for the
+tree's nodes, and (trees only) the tree verification's mask and cache moves. So every ratio is also a sample of
 
     ratio(X) - 1 = a + b·N + c·depths + d·(module tree tokens) + e·[X is a tree]
 

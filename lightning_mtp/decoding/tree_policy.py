@@ -11,24 +11,18 @@ several processes (every rank must run the same forwards) and when a chain-only 
 
 from __future__ import annotations
 
-import statistics
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_mtp.decoding.auto import (
-    CALIBRATION_ROWS,
-    CALIBRATION_SAMPLES,
-    MIN_CALIBRATION_ROUNDS,
-    REFINE_OPTIONS,
-    REFINE_ROUNDS,
     AutoMemory,
     AutoPolicy,
-    RoundRobin,
     candidate_options,
     memory_for,
 )
+from lightning_mtp.decoding.calibration import RoundRobin
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.host import supports_trees
 from lightning_mtp.decoding.native_drafting import chain_drafter
@@ -52,7 +46,8 @@ class FixedTree:
 
 class AutoSteps:
     """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy (tree or chain drafter); with
-    ``calibration`` set, the round-robin calibration run instead (:func:`calibrate_steps`)."""
+    ``calibration`` set, the round-robin calibration run instead
+    (:func:`~lightning_mtp.decoding.calibration.calibrate_steps`)."""
 
     def __init__(self, policy: AutoPolicy, max_depth: int, tree_mode: bool) -> None:
         self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
@@ -115,97 +110,6 @@ class AutoSteps:
             ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
         tokens = 1.0 + sum(accepted) / active_rows
         self.policy.update(shape, tokens, ranks)
-
-
-def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, lengths: Tensor, new_tokens: int,
-                    context: int) -> None:
-    """Time every option on this machine and model, decoding the call's own prompts (its first
-    ``CALIBRATION_ROWS`` rows) as the call will: for every drafting option X in turn, three plain steps then X twice,
-    X's second step timed against the third plain step (:class:`~lightning_mtp.decoding.auto.RoundRobin`: near steps,
-    so drift on a shared machine cancels, and steady steps of both kinds, no catch-up after another option); a warm-up
-    (each option once), then enough rounds for ``CALIBRATION_SAMPLES`` timed steps, at least
-    ``MIN_CALIBRATION_ROUNDS``. The decodes ("segments") run ``new_tokens`` tokens (at least
-    ``CALIBRATION_MIN_SEGMENT``) from the prompts, again and again until the rounds are done, so the steps are timed
-    at the call's context and with its acceptance: a step that accepts more drafts also recomputes more positions in
-    the MTP modules (on random tokens, which draft nothing acceptable, a chain of 3 measured 8% cheaper and a chain
-    of 2 12% dearer than in decoding). Then the ``REFINE_OPTIONS`` drafting options with the best expected rate (at
-    these prices; greedy calls count the calibration's accepted drafts) get ``REFINE_ROUNDS`` more rounds, since
-    their prices are the ones that decide. The plain decoding loop is timed on the same prompts, before and after.
-
-    ``run(prompts, lengths, max_new_tokens, plain=False)`` decodes with ``steps`` as the policy (the call's greedy or
-    sampling settings, its own generator), or with ``plain=True`` in the plain decoding loop, whose step time becomes
-    the plain option's and the unit of the drafting options' ratios (:func:`plain_loop_samples`); the steady plain
-    steps the round robin took inside the drafting loop give ``plain_in_loop_s`` (reported beside it).
-    """
-    options = steps.policy.options
-    rounds = max(MIN_CALIBRATION_ROUNDS, -(-CALIBRATION_SAMPLES // len(options)))  # after a warm-up (each option once)
-    rows = min(prompts.shape[0], CALIBRATION_ROWS)
-    prompts, lengths = prompts[:rows], lengths[:rows]
-    longest = int(lengths.max())
-    segment = max(1, min(max(new_tokens, CALIBRATION_MIN_SEGMENT), context - longest))
-    calibration = RoundRobin(options, rounds)
-    loop_samples: list[float] = []  # the plain decoding loop, timed before and after the round robin (drift)
-    if None in options:
-        loop_samples += plain_loop_samples(run, prompts, lengths, segment)
-    steps.calibration = calibration
-    try:
-        _run_segments(calibration, run, prompts, lengths, segment)
-        if len(calibration.drafting) > REFINE_OPTIONS:
-            # the contenders' prices decide: time them again (their estimate, with what calibration saw accepted)
-            calibration.refine([None] + steps.policy.contenders(calibration.prices(), REFINE_OPTIONS), REFINE_ROUNDS)
-            _run_segments(calibration, run, prompts, lengths, segment)
-        measured = calibration.prices()
-    finally:
-        steps.calibration = None
-    costs = steps.policy.memory.costs
-    if not measured:
-        return
-    unit = measured["plain"]
-    if loop_samples:
-        loop_samples += plain_loop_samples(run, prompts, lengths, segment)
-        costs.plain_in_loop_s = measured["plain"]
-        # Prices in plain-loop seconds: each option's paired ratio to the steady in-loop plain step, taking that step
-        # as the plain loop's (measured 0.96-1.05 of it; DRAFT_MARGIN covers the difference). So every comparison the
-        # policy makes rests on ratios of near steps only: the plain loop is timed seconds apart from the round robin
-        # on a machine that drifts, and scaling by their unpaired ratio moved prices by 10-20% from run to run.
-        unit = statistics.median(loop_samples)
-    costs.step_seconds.update({key: (unit if key == "plain" else ratio * unit) for key, ratio in measured.items()})
-    costs.calibrated_context = longest + segment // 2
-    costs.acceptance = dict(steps.policy.memory.acceptance)
-    if steps.sampling:
-        steps.start_sampling_call()  # the calibrating call starts where later ones will
-
-
-def _run_segments(calibration: RoundRobin, run: Callable[..., Any], prompts: Tensor, lengths: Tensor,
-                  segment: int) -> None:
-    """Decode calibration segments until the round robin is done (at most ``MAX_CALIBRATION_SEGMENTS``)."""
-    for _ in range(MAX_CALIBRATION_SEGMENTS):
-        calibration.start_segment()
-        run(prompts, lengths, segment)
-        if calibration.done:
-            break
-
-
-CALIBRATION_MIN_SEGMENT = 64
-"""Calibration decodes run at least this many tokens (a call of few new tokens still gives several rounds)."""
-MAX_CALIBRATION_SEGMENTS = 16
-"""At most this many calibration decodes (a short context holds few steps per decode)."""
-
-
-def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, lengths: Tensor, steps: int,
-                       repeats: int = 1) -> list[float]:
-    """Seconds per step of the plain decoding loop on ``prompts``, ``repeats`` samples: the cost ``auto`` weighs drafts
-    against, since where drafting does not pay it retires to that loop (a plain step inside the drafting loop also
-    feeds the drafter and can cost more). Each sample is the difference between decoding ``steps + 1`` tokens and 1
-    token (prefill and set-up cancel)."""
-    if steps < 1:
-        return [float(run(prompts, lengths, 1, plain=True).stats.elapsed_s)]
-    samples = []
-    for _ in range(repeats):
-        short = run(prompts, lengths, 1, plain=True).stats.elapsed_s
-        long = run(prompts, lengths, steps + 1, plain=True).stats.elapsed_s
-        samples.append(max(long - short, 1e-9) / steps)
-    return samples
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
