@@ -89,16 +89,22 @@ def test_a_close_call_is_probed_and_its_evidence_can_turn_the_choice():
     assert [hopeless.next() for _ in range(2 * CLOSE_PROBE_EVERY)] == [None] * (2 * CLOSE_PROBE_EVERY)
 
 
-def test_the_margin_grows_with_the_batch():
-    """A batch steps until its slowest row is done: a draft 10% better per row pays at batch 1, not at batch 8."""
-    from lightning_mtp.decoding.auto import BATCH_MARGIN, DRAFT_MARGIN
+def test_a_batch_counts_the_tokens_its_slowest_row_gains():
+    """A batch steps until its slowest row is done: a draft 10% better per row pays at batch 1; at batch 8 the spread
+    between rows eats the gain over 32 new tokens per row, not over 4096 (slowest_row.batch_efficiency)."""
+    from lightning_mtp.decoding.slowest_row import batch_efficiency
 
     options = [None, TreeShape.chain(1)]
-    for batch, drafts in ((1, True), (8, False)):
-        policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 1.6 / 1.1})), options, batch)
-        policy.memory.acceptance = {(1, 0): (0.6 * 40, 40.0)}
-        assert (policy.next() is not None) == drafts, batch
-    assert AutoPolicy(AutoMemory(), options, 8).margin == pytest.approx(DRAFT_MARGIN * (1 + 3 * BATCH_MARGIN))
+    for batch, new_tokens, drafts in ((1, 32, True), (8, 32, False), (8, 4096, True)):
+        policy = AutoPolicy(AutoMemory(StepCosts({"plain": 1.0, "chain1": 1.6 / 1.1})), options, batch, new_tokens)
+        policy.memory.acceptance = {(1, 0): (0.6 * 400, 400.0)}
+        assert (policy.next() is not None) == drafts, (batch, new_tokens)
+        tokens = policy.expected_tokens(TreeShape.chain(1))
+        assert tokens == pytest.approx(1.6, abs=0.01)
+        variance = (tokens - 1) * (2 - tokens)  # one draft accepted with probability tokens - 1
+        assert policy.batch_tokens(TreeShape.chain(1)) == pytest.approx(
+            tokens * batch_efficiency(tokens, variance, batch, new_tokens))
+        assert policy.batch_tokens(None) == 1.0
 
 
 def test_calls_after_a_retired_one_decode_plainly_but_recheck_now_and_then():

@@ -22,7 +22,10 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
 
 Until ``MIN_EVIDENCE`` drafts have been tried the policy drafts rather than step plainly, so that it learns the
 acceptance; while drafting is a close call it is probed every ``CLOSE_PROBE_EVERY`` plain choices. A drafting
-option must beat a plain step by ``DRAFT_MARGIN`` (more in a batch: ``BATCH_MARGIN``); after ``RETIRE_AFTER`` plain
+option must beat a plain step by ``DRAFT_MARGIN``; in a batch, its expected tokens count only as far as the slowest row
+gains them (:mod:`~lightning_mtp.decoding.slowest_row`: rows accept different numbers of drafts and the batch steps
+until the last one is done, so the spread of a step's tokens costs the more, the more rows and the fewer tokens per
+row a call has). After ``RETIRE_AFTER`` plain
 choices in a row the call drops the drafter and finishes with the plain decoding loop, and where
 drafting was clearly unprofitable (``RETIRE_HOPELESS``) the next calls decode plainly from their first step (every
 ``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing.
@@ -36,10 +39,10 @@ samples reproducible everywhere).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from lightning_mtp.decoding.slowest_row import batch_efficiency, chain_moments, equal_acceptance_moments
 from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 
@@ -60,12 +63,9 @@ drafting option) rather than step plainly: from the prior alone it cannot tell t
 DRAFT_MARGIN = 1.05
 """A drafting option is taken only when its expected tokens per second beat a plain step's by this factor (at batch
 1): the estimates are noisy, so a marginal gain is not worth it."""
-BATCH_MARGIN = 0.1
-"""The margin grows by this much per doubling of the batch: ``DRAFT_MARGIN * (1 + BATCH_MARGIN * log2(B))`` (1.37 at
-batch 8). The expected tokens are per row, but a batch steps until its slowest row is done, and rows that accept
-different numbers of drafts finish at different steps (plain rows finish together). Measured at batch 8: chains
-whose per-row estimate beat plain by 5-11% decoded at 0.88-1.06x of plain, on the 12-layer benchmark model and on the
-glm4_moe host; vLLM and ArcticInference turn speculation off above a batch size for the same reason."""
+DEFAULT_NEW_TOKENS = 128
+"""New tokens per row assumed when the policy is not told the call's (the batch discount of
+:func:`~lightning_mtp.decoding.slowest_row.batch_efficiency` depends on it)."""
 RETIRE_AFTER = PROBE_EVERY
 """After this many consecutive plain choices (a probe of the runner-up among them) the call stops drafting: the rest
 of it runs the plain decoding loop, without the drafter's bookkeeping. (Twice as many cost sampling at batch 8, where
@@ -167,10 +167,14 @@ def candidate_options(max_depth: int, mtp_depth: int, cascaded: bool, trees: boo
 class AutoPolicy:
     """Chooses each step's draft option (see the module docstring)."""
 
-    def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]], batch_size: int = 1) -> None:
+    def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]], batch_size: int = 1,
+                 new_tokens: int = DEFAULT_NEW_TOKENS) -> None:
         self.memory, self.options = memory, options
-        self.margin = DRAFT_MARGIN * (1 + BATCH_MARGIN * math.log2(max(batch_size, 1)))
-        """How much a drafting option's expected rate must beat a plain step's (:data:`BATCH_MARGIN`)."""
+        self.margin = DRAFT_MARGIN
+        """How much a drafting option's expected rate must beat a plain step's."""
+        self.batch_size, self.new_tokens = batch_size, new_tokens
+        """Rows and new tokens per row of the call: a drafting option's rate counts the tokens its slowest row gains
+        (:func:`~lightning_mtp.decoding.slowest_row.batch_efficiency`)."""
         self.steps = 0
         self.plain_run = 0
         """Consecutive steps the policy chose a plain step (probes aside)."""
@@ -243,33 +247,42 @@ class AutoPolicy:
     def expected_tokens(self, option: Optional[TreeShape]) -> float:
         """1 + expected accepted drafts per row. A static tree's nodes at depth d are every combination of ranks,
         so the sum over them of the products along their paths is the product over depths of the sums over ranks."""
-        if option is None:
-            return 1.0
-        if option.dynamic:
-            return self.memory.measured_tau.get(option.describe(), 1.0 + option.depth * PRIOR_ACCEPTANCE)
-        return self._static_tokens(option, {})
+        return self._moments(option, {}, {})[0]
 
-    def _static_tokens(self, option: TreeShape, reach_sums: dict[tuple[int, int], float],
-                       estimates: Optional[dict] = None) -> float:
-        """:meth:`expected_tokens` of a static tree; ``reach_sums`` caches min(1, sum of the first b ranks'
-        acceptance) per (depth, b), and ``estimates`` each (depth, rank)'s acceptance, across the options of one
-        :meth:`next`."""
-        total, reach = 1.0, 1.0
+    def batch_tokens(self, option: Optional[TreeShape]) -> float:
+        """:meth:`expected_tokens` as the call's batch gains them: discounted by the spread between its rows
+        (:func:`~lightning_mtp.decoding.slowest_row.batch_efficiency`; 1 at batch 1)."""
+        mean, variance = self._moments(option, {}, {})
+        return mean * batch_efficiency(mean, variance, self.batch_size, self.new_tokens)
+
+    def _moments(self, option: Optional[TreeShape], reach_sums: dict[tuple[int, int], float],
+                 estimates: dict) -> tuple[float, float]:
+        """(mean, variance) of a step's tokens per row with ``option``; ``reach_sums`` caches min(1, sum of the first
+        b ranks' acceptance) per (depth, b), and ``estimates`` each (depth, rank)'s acceptance, across the options of
+        one rate pass. Dynamic trees have only their measured mean: their spread is that of a chain of their depth
+        with one acceptance for all depths."""
+        if option is None:
+            return 1.0, 0.0
+        if option.dynamic:
+            tau = self.memory.measured_tau.get(option.describe(), 1.0 + option.depth * PRIOR_ACCEPTANCE)
+            return equal_acceptance_moments(tau, option.depth)
+        reach, path = [], 1.0
         for depth, branch in enumerate(option.branching, start=1):
             reached = reach_sums.get((depth, branch))
             if reached is None:
                 reached = reach_sums[(depth, branch)] = min(
                     1.0, sum(self._acceptance(depth, rank, estimates) for rank in range(branch)))
-            reach *= reached
-            total += reach
-        return total
+            path *= reached
+            reach.append(path)  # P(the accepted path reaches this depth)
+        return chain_moments(reach)
 
     def seconds(self, option: Optional[TreeShape]) -> float:
         """Measured seconds of a step with ``option`` (the calibration's); unmeasured: never."""
         return self.memory.step_seconds.get("plain" if option is None else option.describe(), float("inf"))
 
     def rate(self, option: Optional[TreeShape]) -> float:
-        return self.expected_tokens(option) / self.seconds(option)
+        """Expected tokens per second per row of the batch with ``option`` (:meth:`batch_tokens` / :meth:`seconds`)."""
+        return self.batch_tokens(option) / self.seconds(option)
 
     def _all_rates(self, step_seconds: Optional[dict[str, float]] = None) -> list[float]:
         """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options), at the
@@ -279,10 +292,8 @@ class AutoPolicy:
         seconds = self.memory.step_seconds if step_seconds is None else step_seconds
         rates = []
         for option, key in zip(self.options, self.keys):
-            if option is None or option.dynamic:
-                tokens = self.expected_tokens(option)
-            else:
-                tokens = self._static_tokens(option, reach_sums, estimates)
+            mean, variance = self._moments(option, reach_sums, estimates)
+            tokens = mean * batch_efficiency(mean, variance, self.batch_size, self.new_tokens)
             rates.append(tokens / seconds.get(key, float("inf")))
         return rates
 

@@ -170,7 +170,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         # own acceptance only, never from timings taken during decoding or from earlier calls (greedy output does
         # not depend on the drafts, so it learns freely).
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
-    policy = AutoPolicy(memory, options, batch)
+    policy = AutoPolicy(memory, options, batch, config.max_new_tokens)
     max_depth = max(o.depth for o in options if o is not None)
     steps = AutoSteps(policy, max_depth, tree_mode=trees)
     if config.sampling:
