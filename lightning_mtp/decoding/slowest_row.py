@@ -9,10 +9,10 @@ so gains ``μ`` tokens per row times
 
     efficiency = 1 / (1 + c_B σ / √(N μ))
 
-(1 at batch 1 or without spread). Measured on the quickstart checkpoint at batch 8 with 96 new tokens per row, chains
-and trees of 1-2 drafts took 0.84-0.97 of the steps a per-row τ predicts (``benchmarks/results/quickstart_model``);
-this model gives 0.93-0.95 there. Rows whose prompts accept differently (the model assumes one acceptance for all)
-add to the spread; ``auto.DRAFT_MARGIN`` covers what is left.
+(1 at batch 1 or without spread). Measured on the quickstart checkpoint at batch 8 with 96 new tokens per row, the
+steps a per-row τ predicts were 0.84-0.97 of those the batch ran, with chains and trees of 1-2 drafts
+(``benchmarks/results/quickstart_model``); this model gives 0.92-0.95 there. Rows whose prompts accept differently
+(the model assumes one acceptance for all) add to the spread; ``auto.DRAFT_MARGIN`` covers what is left.
 
 Example:
     >>> round(expected_maximum(8), 2)
