@@ -9,9 +9,9 @@
    - ``transformers`` prompt-lookup decoding (``generate(prompt_lookup_num_tokens=...)``);
    - lightning-mtp plain decoding over the same ``transformers`` KV cache (``speculative=False``);
    - lightning-mtp self-speculative decoding with the MTP heads (``speculative=True``: a chain of D drafts);
-   - lightning-mtp ``speculative="auto"``: each step a plain step or a chain of 1..D drafts, whichever its measured
-     costs and running acceptance say pays (the ``transformers`` host cannot verify trees). It calibrates at its
-     first call, the warm-up, so calibration is not timed.
+   - lightning-mtp ``speculative="auto"``: each step a plain step, a chain of 1..D+1 drafts or a static tree,
+     whichever its measured costs and running acceptance say pays (the ``transformers`` host verifies trees through
+     its 4-D attention mask). It calibrates at its first call, the warm-up, so calibration is not timed.
 
 Reports tokens/s (median over ``--repeats`` interleaved repeats), the speedup over ``transformers`` greedy and (our
 rows) over our plain decoding, both as a ratio of the medians and paired (the ratio within each repeat, median over
