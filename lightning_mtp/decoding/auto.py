@@ -46,8 +46,6 @@ from lightning_mtp.decoding.slowest_row import batch_efficiency, chain_moments, 
 from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.layers import ATTENTION_WIDTH_STEP
 
-CALIBRATION_ROWS = 32
-"""Calibration decodes at most this many rows (a larger batch is timed at this size)."""
 PRIOR_ACCEPTANCE = 0.6
 """Prior probability that the best candidate of depth 1 is accepted (rank r: prior / (r + 1)^2); a deeper depth's prior
 is the estimate of the depth above."""
@@ -86,14 +84,6 @@ ones to decide afresh."""
 CALL_START_EVIDENCE = MIN_EVIDENCE / 2
 """At a call's start each acceptance count of earlier calls is scaled down to at most this many tries: prompts
 differ, and with fewer than ``MIN_EVIDENCE`` tries the call drafts a few steps to learn its own acceptance."""
-CALIBRATION_SAMPLES = 48
-"""Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
-MIN_CALIBRATION_ROUNDS = 2
-REFINE_OPTIONS = 3
-"""After the rounds over every option, calibration times the best this many (by expected rate) again, ..."""
-REFINE_ROUNDS = 8
-"""... for this many more rounds: their prices decide, and a median of 4 paired ratios was measured up to 10% off
-(on the transformers host, where the best chain pays 5-8%, that flipped ``auto`` between 0.94x and 1.05x)."""
 RECALIBRATE_CONTEXT = 2.0
 """A call whose context is more than this many times the calibrated one (or less than its inverse) calibrates again."""
 
@@ -252,7 +242,10 @@ class AutoPolicy:
     def batch_tokens(self, option: Optional[TreeShape]) -> float:
         """:meth:`expected_tokens` as the call's batch gains them: discounted by the spread between its rows
         (:func:`~lightning_mtp.decoding.slowest_row.batch_efficiency`; 1 at batch 1)."""
-        mean, variance = self._moments(option, {}, {})
+        return self._discounted(*self._moments(option, {}, {}))
+
+    def _discounted(self, mean: float, variance: float) -> float:
+        """Tokens per row a step of ``mean`` ± √``variance`` gains the call's batch (its slowest row's)."""
         return mean * batch_efficiency(mean, variance, self.batch_size, self.new_tokens)
 
     def _moments(self, option: Optional[TreeShape], reach_sums: dict[tuple[int, int], float],
@@ -276,24 +269,16 @@ class AutoPolicy:
             reach.append(path)  # P(the accepted path reaches this depth)
         return chain_moments(reach)
 
-    def seconds(self, option: Optional[TreeShape]) -> float:
-        """Measured seconds of a step with ``option`` (the calibration's); unmeasured: never."""
-        return self.memory.step_seconds.get("plain" if option is None else option.describe(), float("inf"))
-
-    def rate(self, option: Optional[TreeShape]) -> float:
-        """Expected tokens per second per row of the batch with ``option`` (:meth:`batch_tokens` / :meth:`seconds`)."""
-        return self.batch_tokens(option) / self.seconds(option)
-
     def _all_rates(self, step_seconds: Optional[dict[str, float]] = None) -> list[float]:
-        """:meth:`rate` of every option (one pass: the per-depth acceptance sums are shared between options), at the
-        measured prices or at ``step_seconds``."""
+        """Every option's expected tokens per second per row of the batch (:meth:`batch_tokens` over its price; an
+        unpriced option: 0), at the measured prices or at ``step_seconds``, in one pass (the per-depth acceptance sums
+        are shared between options)."""
         reach_sums: dict[tuple[int, int], float] = {}
         estimates: dict[tuple[int, int], float] = {}
         seconds = self.memory.step_seconds if step_seconds is None else step_seconds
         rates = []
         for option, key in zip(self.options, self.keys):
-            mean, variance = self._moments(option, reach_sums, estimates)
-            tokens = mean * batch_efficiency(mean, variance, self.batch_size, self.new_tokens)
+            tokens = self._discounted(*self._moments(option, reach_sums, estimates))
             rates.append(tokens / seconds.get(key, float("inf")))
         return rates
 

@@ -13,18 +13,26 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_mtp.decoding.auto import (
-    CALIBRATION_ROWS,
-    CALIBRATION_SAMPLES,
-    MIN_CALIBRATION_ROUNDS,
-    REFINE_OPTIONS,
-    REFINE_ROUNDS,
-)
 from lightning_mtp.decoding.step_prices import pooled_ratios
 from lightning_mtp.decoding.tree import TreeShape
 
 if TYPE_CHECKING:
     from lightning_mtp.decoding.tree_policy import AutoSteps
+
+CALIBRATION_ROWS = 32
+"""Calibration decodes at most this many rows (a larger batch is timed at this size)."""
+CALIBRATION_SAMPLES = 48
+"""Calibration times at least this many steps in all (and every option at least ``MIN_CALIBRATION_ROUNDS`` times)."""
+MIN_CALIBRATION_ROUNDS = 2
+REFINE_OPTIONS = 3
+"""After the rounds over every option, calibration times the best this many (by expected rate) again, ..."""
+REFINE_ROUNDS = 8
+"""... for this many more rounds: their prices decide, and a median of 4 paired ratios was measured up to 10% off
+(on the transformers host, where the best chain pays 5-8%, that flipped ``auto`` between 0.94x and 1.05x)."""
+CALIBRATION_MIN_SEGMENT = 64
+"""Calibration decodes run at least this many tokens (a call of few new tokens still gives several rounds)."""
+MAX_CALIBRATION_SEGMENTS = 16
+"""At most this many calibration decodes (a short context holds few steps per decode)."""
 
 
 class RoundRobin:
@@ -182,12 +190,6 @@ def _run_segments(calibration: RoundRobin, run: Callable[..., Any], prompts: Ten
         run(prompts, lengths, segment)
         if calibration.done:
             break
-
-
-CALIBRATION_MIN_SEGMENT = 64
-"""Calibration decodes run at least this many tokens (a call of few new tokens still gives several rounds)."""
-MAX_CALIBRATION_SEGMENTS = 16
-"""At most this many calibration decodes (a short context holds few steps per decode)."""
 
 
 def plain_loop_samples(run: Callable[..., Any], prompts: Tensor, lengths: Tensor, steps: int,
