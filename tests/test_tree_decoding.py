@@ -85,6 +85,35 @@ def test_auto_greedy_equals_plain_greedy(models, architecture):
     assert GenerationConfig().speculative == "auto"
 
 
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_auto_equals_plain_greedy_where_its_drafts_are_accepted(models, architecture, monkeypatch):
+    """``auto`` on prices that make drafting pay (its calibration replaced: a step costs 1 + 0.02 per verified node,
+    so timing noise cannot make it decode plainly, as on the test machine it may): it drafts at every step, switching
+    between chains and trees by the acceptance it learns on a ragged batch, and its output equals plain greedy
+    decoding while many drafts are accepted (τ well above 1), so the equality means something."""
+    from lightning_mtp.decoding import speculative
+
+    def fixed_prices(steps, run, prompts, lengths, new_tokens, context):
+        options = [o for o in steps.policy.options if o is not None]
+        steps.policy.memory.costs.step_seconds.update(
+            {"plain": 1.0, **{o.describe(): 1.0 + 0.02 * o.num_nodes for o in options}})
+
+    model = models[architecture]
+    monkeypatch.setattr(speculative, "calibrate_steps", fixed_prices)
+    monkeypatch.delitem(model.__dict__, "_mtp_auto_memory", raising=False)  # other tests' calibrations
+    input_ids, mask, prompts = ragged_prompts(seed=4)
+    expected = [alone(model, p, 48) for p in prompts]
+    chosen = set()
+    for _ in range(2):
+        out = model.generate(input_ids, 48, attention_mask=mask)
+        assert rows_of(out) == expected
+        assert out.stats.tau > 1.3, out.stats.tau
+        chosen.update(key for key, (_, tried) in next(iter(model.__dict__["_mtp_auto_memory"].values()))
+                      .acceptance.items() if tried > 0)
+    assert len({depth for depth, _ in chosen}) >= 2  # drafted more than one depth
+    model.__dict__.pop("_mtp_auto_memory", None)  # the next tests calibrate for themselves
+
+
 class MixedSteps:
     """A step policy cycling through every kind of step (plain, chains up to beyond D, static and dynamic trees) in
     an irregular order, as ``auto`` may: each kind leaves the MTP modules' caches in its own state for the next."""
