@@ -107,3 +107,11 @@ def test_smoke_run_on_a_cli_checkpoint(bench, tiny_checkpoint, tmp_path):
     assert set(summary["auto_choices"]) == {f"{r['mode']} batch {r['batch_size']}" for r in autos}
     assert summary["in_situ_costs_s"]["trees"] and "auto_plain_step" in summary["in_situ_costs_s"]
     assert any("tree verify forward" in line for line in summary["explanation"])
+
+
+def test_the_report_example_holds(bench):
+    import doctest
+
+    import decode_report  # benchmarks/, on the path since the bench fixture
+
+    assert doctest.testmod(decode_report).failed == 0
