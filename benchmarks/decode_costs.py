@@ -314,8 +314,9 @@ class AutoChoices:
 
 def auto_memory(model) -> list[dict]:
     """What ``speculative="auto"`` learned on ``model`` (kept on the module per host, batch size, device, dtype and
-    option set): each option's measured step time (the calibration's), in plain
-    steps, the acceptance estimates per (depth, sibling rank) and the measured tau of dynamic trees."""
+    option set): each option's measured step time (the calibration's), in plain steps, the prices greedy decoding's
+    paired steps corrected (and how many paired ratios it kept), the acceptance estimates per (depth, sibling rank)
+    and the measured tau of dynamic trees."""
     out = []
     for key, memory in model.__dict__.get("_mtp_auto_memory", {}).items():
         names = ("host", "batch_size", "device", "dtype", "sampling")
@@ -328,6 +329,10 @@ def auto_memory(model) -> list[dict]:
             plain_in_drafting_loop_in_plain_steps=(round(costs.plain_in_loop_s / unit, 3)
                                                    if costs.plain_in_loop_s else None),
             step_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.step_seconds.items())},
+            # greedy: the paired steps' corrections of those prices (lightning_mtp/decoding/paired_prices.py)
+            corrected_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.prices().items())
+                                      if abs(v / memory.step_seconds[k] - 1.0) > 1e-9},
+            paired_ratios=sum(len(v) for v in memory.paired.pairs.values()),
             acceptance={f"depth {d} rank {r}": [round(hits, 2), round(tried, 2)]
                         for (d, r), (hits, tried) in sorted(memory.acceptance.items())},  # (accepted, tried)
             measured_tau=dict(memory.measured_tau),

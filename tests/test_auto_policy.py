@@ -347,9 +347,11 @@ def test_calibration_times_each_option_against_a_steady_plain_step():
     assert robin.steps == 3 + 5 and robin.next() is None
 
 
-def test_prices_come_from_the_calibration_only(models):
-    """Decoding does not move the calibrated step prices (a running average of step times drifts with the machine
-    while the plain price it is weighed against does not): only the acceptance estimates learn."""
+def test_decoding_keeps_the_calibrated_prices_and_the_plain_price(models):
+    """Decoding does not move the calibrated step prices nor the plain price the policy weighs drafts against (a
+    running average of step times drifts with the machine while the plain price does not): the acceptance estimates
+    learn, and paired steps of two drafting options only correct those options' prices among themselves
+    (test_paired_prices)."""
     model = models["cascaded"]
     model.__dict__.pop("_mtp_auto_memory", None)
     input_ids, mask, _ = ragged_prompts(seed=5)
@@ -358,6 +360,7 @@ def test_prices_come_from_the_calibration_only(models):
     prices, acceptance = dict(memory.step_seconds), dict(memory.acceptance)
     model.generate(input_ids, 32, attention_mask=mask, speculative="auto")
     assert memory.step_seconds == prices and memory.acceptance != acceptance
+    assert memory.prices()["plain"] == prices["plain"] and memory.prices().keys() == prices.keys()
 
 
 def test_sampling_calls_start_from_the_calibration_and_a_seed_reproduces_them(models):
@@ -371,6 +374,13 @@ def test_sampling_calls_start_from_the_calibration_and_a_seed_reproduces_them(mo
     assert costs.acceptance and costs.acceptance[(1, 0)][1] > 0  # the calibration's steps were counted
     second = model.generate(prompt, 24, speculative="auto", temperature=1.0, seed=11)
     assert torch.equal(first.sequences, second.sequences)
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.tree_policy import draft_plan
+
+    for temperature in (1.0, 0.0):  # a sampling call never learns from timings; a greedy one does
+        config = GenerationConfig(max_new_tokens=24, speculative="auto", temperature=temperature)
+        _, steps = draft_plan(model, decoding_host(model), config, 1, torch.device("cpu"), False)
+        assert steps.policy.learn_prices is (temperature == 0.0)
     assert not torch.equal(first.sequences, model.generate(prompt, 24, speculative="auto", temperature=1.0,
                                                             seed=12).sequences)
 

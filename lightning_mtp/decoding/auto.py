@@ -12,9 +12,11 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   plain step three steps before it, so drift on a shared machine cancels, and every comparison rests on such paired
   ratios (the plain decoding loop, timed too, is only their unit); the best few options are timed again, and each
   option's price is pooled with a cost model fitted through all of them (:mod:`~lightning_mtp.decoding.step_prices`:
-  an option's own few ratios are noisy, and the policy would take whichever came out cheapest). Prices are
-  not updated during decoding: a running average of step times drifts with the machine while the plain price it is
-  weighed against does not;
+  an option's own few ratios are noisy, and the policy would take whichever came out cheapest). Greedy decoding
+  then corrects the drafting options' prices among themselves from paired steps (the runner-up is probed twice in a
+  row, its second step timed against the best option's steps just before, and the best's again after it:
+  :mod:`~lightning_mtp.decoding.paired_prices`); the plain price stays the calibration's (a running average of step
+  times drifts with the machine while the plain price it is weighed against does not);
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank
   is accepted given its parent was; a static tree's expected accepted length is the sum over its nodes of the
   product of those estimates along the node's path (dynamic trees use their own measured average). The prior fades
@@ -42,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from lightning_mtp.decoding.paired_prices import PairedPrices, StepPairs
 from lightning_mtp.decoding.slowest_row import batch_efficiency, chain_moments, equal_acceptance_moments
 from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.layers import ATTENTION_WIDTH_STEP
@@ -54,7 +57,8 @@ PRIOR_WEIGHT = 4.0
 FORGET = 0.98
 """Each step multiplies the acceptance counts by this (older steps count less; about the last 50 matter)."""
 PROBE_EVERY = 24
-"""Every this many steps the runner-up option is taken once, so its estimates stay current."""
+"""Every this many steps the runner-up option is taken once (greedy, when it drafts and so does the best: twice, the
+second step paired with the best's for the prices), so its estimates stay current."""
 MIN_EVIDENCE = 12.0
 """Until the depth-1 candidates have been tried this many times (the forgotten counts), the policy drafts (its best
 drafting option) rather than step plainly: from the prior alone it cannot tell that drafting does not pay."""
@@ -128,6 +132,9 @@ class AutoMemory:
     forgotten (see :meth:`AutoPolicy.update`)."""
     measured_tau: dict[str, float] = field(default_factory=dict)
     """option -> measured tokens per row-step (dynamic trees)."""
+    paired: PairedPrices = field(default_factory=PairedPrices)
+    """Corrections of the drafting options' prices among themselves from paired steps of greedy decoding
+    (:mod:`~lightning_mtp.decoding.paired_prices`); cleared by a new calibration."""
     calls: int = 0
     """Decoding calls that used this memory."""
     retired_calls: int = 0
@@ -136,8 +143,13 @@ class AutoMemory:
 
     @property
     def step_seconds(self) -> dict[str, float]:
-        """``costs.step_seconds``."""
+        """``costs.step_seconds``: the calibration's prices."""
         return self.costs.step_seconds
+
+    def prices(self) -> dict[str, float]:
+        """The prices the policy decides by: the calibration's, with the paired corrections of greedy decoding
+        (none for sampling calls, whose memory starts empty and never learns timings)."""
+        return self.paired.apply(self.costs.step_seconds)
 
 
 def candidate_options(max_depth: int, mtp_depth: int, cascaded: bool, trees: bool) -> list[Optional[TreeShape]]:
@@ -158,8 +170,13 @@ class AutoPolicy:
     """Chooses each step's draft option (see the module docstring)."""
 
     def __init__(self, memory: AutoMemory, options: list[Optional[TreeShape]], batch_size: int = 1,
-                 new_tokens: int = DEFAULT_NEW_TOKENS) -> None:
+                 new_tokens: int = DEFAULT_NEW_TOKENS, learn_prices: bool = True) -> None:
         self.memory, self.options = memory, options
+        self.learn_prices = learn_prices
+        """Greedy calls: the runner-up is probed twice in a row, and paired steps of two drafting options correct
+        their prices (:meth:`observe_seconds`); sampling calls may not depend on timings."""
+        self._pairs = StepPairs()
+        self._repeat: Optional[int] = None  # the probe to take again at the next step
         self.margin = DRAFT_MARGIN
         """How much a drafting option's expected rate must beat a plain step's."""
         self.batch_size, self.new_tokens = batch_size, new_tokens
@@ -275,7 +292,7 @@ class AutoPolicy:
         are shared between options)."""
         reach_sums: dict[tuple[int, int], float] = {}
         estimates: dict[tuple[int, int], float] = {}
-        seconds = self.memory.step_seconds if step_seconds is None else step_seconds
+        seconds = self.memory.prices() if step_seconds is None else step_seconds
         rates = []
         for option, key in zip(self.options, self.keys):
             tokens = self._discounted(*self._moments(option, reach_sums, estimates))
@@ -295,6 +312,10 @@ class AutoPolicy:
 
     def next(self) -> Optional[TreeShape]:
         self.steps += 1
+        if self._repeat is not None:  # a probe's second step: the steady one, paired with the best's before it
+            best, self._repeat = self._repeat, None
+            self.last_tried[self.keys[best]] = self.steps
+            return self.options[best]
         if self._rates is None:
             self._rates = self._all_rates()
         rates = self._rates
@@ -320,16 +341,31 @@ class AutoPolicy:
         if self.steps % PROBE_EVERY == 0:
             # keep the runner-up's estimates current (a slow measurement must not lock an option out)
             runner = max((i for i in range(len(self.options)) if i != best), key=rates.__getitem__, default=best)
+            if self.learn_prices and self.options[runner] is not None and self.options[best] is not None:
+                self._repeat = runner  # twice: its second step prices it against the best's steps before
             best = runner
         self.last_tried[self.keys[best]] = self.steps
         return self.options[best]
 
+    def observe_seconds(self, option: Optional[TreeShape], seconds: float) -> None:
+        """A greedy step with ``option`` took ``seconds``: where the last four steps paired two drafting options
+        (``X X Y Y``), their ratio corrects the options' relative prices
+        (:class:`~lightning_mtp.decoding.paired_prices.PairedPrices`; plain steps are never paired)."""
+        if not self.learn_prices:
+            return
+        index = self._index.get(option)
+        key = self.keys[index] if index is not None else ("plain" if option is None else option.describe())
+        pair = self._pairs.observe(key, seconds)
+        if pair is not None and self.memory.paired.add(*pair):
+            self._rates = None
+
     def update(self, option: Optional[TreeShape], tokens_per_row: float,
                accepted_ranks: Optional[list[list[int]]] = None, decay: float = 0.8) -> None:
         """Fold in one step's acceptance: tokens per active row, and (static trees) per depth the counts of [rows whose
-        parent was reached, accepted rank-0 children, rank-1 children, ...]. Step times are not learned here: they
-        come from the calibration (a running average of times taken during decoding drifts with the machine while
-        the plain price it is weighed against does not; measured, that made ``auto`` retire where chains paid)."""
+        parent was reached, accepted rank-0 children, rank-1 children, ...]. Step times are not averaged here: they
+        come from the calibration, corrected only by paired steps (:meth:`observe_seconds`; a running average of
+        times taken during decoding drifts with the machine while the plain price it is weighed against does not;
+        measured, that made ``auto`` retire where chains paid)."""
         if option is None:
             return
         memory = self.memory

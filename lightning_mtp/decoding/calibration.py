@@ -176,6 +176,7 @@ def calibrate_steps(steps: AutoSteps, run: Callable[..., Any], prompts: Tensor, 
         # on a machine that drifts, and scaling by their unpaired ratio moved prices by 10-20% from run to run.
         unit = statistics.median(loop_samples)
     costs.step_seconds.update({key: (unit if key == "plain" else ratio * unit) for key, ratio in measured.items()})
+    steps.policy.memory.paired.clear()  # corrections of the earlier prices, at another context
     costs.calibrated_context = longest + segment // 2
     costs.acceptance = dict(steps.policy.memory.acceptance)
     if steps.sampling:

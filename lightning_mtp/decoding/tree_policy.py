@@ -98,6 +98,8 @@ class AutoSteps:
             shape = option
         if self.calibration is not None:
             self.calibration.record(shape, seconds)  # and its acceptance is learned too
+        else:
+            self.policy.observe_seconds(shape, seconds)  # greedy: paired steps correct the prices
         if active_rows <= 0:
             return
         accepted = extra[: self.max_depth] if self.tree_mode else extra[:option]
@@ -170,7 +172,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         # own acceptance only, never from timings taken during decoding or from earlier calls (greedy output does
         # not depend on the drafts, so it learns freely).
         memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
-    policy = AutoPolicy(memory, options, batch, config.max_new_tokens)
+    policy = AutoPolicy(memory, options, batch, config.max_new_tokens, learn_prices=not config.sampling)
     max_depth = max(o.depth for o in options if o is not None)
     steps = AutoSteps(policy, max_depth, tree_mode=trees)
     if config.sampling:
