@@ -114,3 +114,28 @@ def test_the_module_example_holds():
     from lightning_mtp.decoding import paired_prices
 
     assert doctest.testmod(paired_prices).failed == 0
+
+
+@pytest.mark.parametrize("runners", [2, 1])
+def test_the_runners_up_are_probed_in_turn_so_a_third_option_priced_too_high_is_found(runners, monkeypatch):
+    """Calibrated: chain of 2 best, chain of 1 the runner-up, chain of 3 third (priced 2.0 plain steps where it costs
+    1.5); only probing the runners-up in turn pairs the chain of 3 (with one runner it is never tried)."""
+    from lightning_mtp.decoding import auto
+
+    monkeypatch.setattr(auto, "PROBED_RUNNERS", runners)
+    options = [None, TreeShape.chain(1), TreeShape.chain(2), TreeShape.chain(3)]
+    memory = AutoMemory(costs=StepCosts({"plain": 1.0, "chain1": 1.2, "chain2": 1.4, "chain3": 2.0}))
+    memory.acceptance = {(d, 0): (80.0, 100.0) for d in (1, 2, 3)}
+    policy = AutoPolicy(memory, options)
+    true_seconds = {"plain": 1.0, "chain1": 1.2, "chain2": 1.4, "chain3": 1.5}
+    choices = []
+    for _ in range(12 * PROBE_EVERY):
+        option = policy.next()
+        key = "plain" if option is None else option.describe()
+        policy.observe_seconds(option, true_seconds[key])
+        choices.append(key)
+    late = choices[-4 * PROBE_EVERY:]
+    if runners == 2:
+        assert late.count("chain3") > 0.85 * len(late), late
+    else:
+        assert "chain3" not in choices and late.count("chain2") > 0.85 * len(late)
