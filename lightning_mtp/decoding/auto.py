@@ -13,8 +13,8 @@ returns 1. :class:`AutoPolicy` picks, before each step, the option with the most
   ratios (the plain decoding loop, timed too, is only their unit); the best few options are timed again, and each
   option's price is pooled with a cost model fitted through all of them (:mod:`~lightning_mtp.decoding.step_prices`:
   an option's own few ratios are noisy, and the policy would take whichever came out cheapest). Greedy decoding
-  then corrects the drafting options' prices among themselves from paired steps (the runner-up is probed twice in a
-  row, its second step timed against the best option's steps just before, and the best's again after it:
+  then corrects the drafting options' prices among themselves from paired steps (the runners-up are probed in turn,
+  each twice in a row, its second step timed against the best option's steps just before, and the best's after it:
   :mod:`~lightning_mtp.decoding.paired_prices`); the plain price stays the calibration's (a running average of step
   times drifts with the machine while the plain price it is weighed against does not);
 * **acceptance** is a running estimate per (depth, sibling rank) of the probability that the candidate of that rank

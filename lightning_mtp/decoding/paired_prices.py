@@ -1,13 +1,14 @@
 """Corrections of ``speculative="auto"``'s step prices from paired steps taken during greedy decoding.
 
 The calibration prices each drafting option by its ratio to a steady plain step, from a few seconds of round robin;
-those prices carry a few percent of noise (and the calibration's short decodes a small bias), enough to prefer the
-chain of 1 where the chain of 3 gains 15% more (measured on the quickstart checkpoint: the calibration priced the
-chains of 1 / 2 / 3 at 1.29 / 1.57 / 1.78 plain steps, the fixed chains measured 1.27 / 1.44 / 1.63 inside decoding).
-During decoding the policy takes its best option most of the time and the runner-up twice every ``PROBE_EVERY``
-steps, so the decode itself holds pairs of near, steady steps of two drafting options: ``X X Y Y`` gives the ratio of
-the second ``Y`` to the second ``X``, two steps apart (drift on a shared machine cancels, as in the calibration; the
-first step after a switch catches the MTP modules up and is not used). :class:`PairedPrices` keeps those log ratios
+those prices carry noise, enough to prefer the chain of 1 where the chain of 3 gains 15% more (measured on the
+quickstart checkpoint: the calibration priced the chains of 1 / 2 / 3 at 1.29 / 1.57 / 1.78 plain steps, the fixed
+chains measured 1.27 / 1.44 / 1.63 inside decoding; on the benchmark model it priced the chain of 3 at 1.43 where
+it cost 1.33). During decoding the policy takes its best option most of the time and, every ``PROBE_EVERY`` steps,
+one of the runners-up (the second- and third-best in turn) twice, so the decode itself holds pairs of near, steady
+steps of two drafting options: ``X X Y Y`` gives the ratio of the second ``Y`` to the second ``X``, two steps apart
+(drift on a shared machine cancels, as in the calibration; the first step after a switch catches the MTP modules up
+and is not used). :class:`PairedPrices` keeps those log ratios
 and fits one multiplicative correction per option: a least-squares fit of the pairs' medians, each option's
 correction held towards 1 by a prior worth ``PRIOR_PAIRS`` pairs. Only drafting options are paired, never a plain
 step, so the corrections reshape the drafting options' prices among themselves while the plain price stays the
