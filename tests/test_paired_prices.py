@@ -91,16 +91,22 @@ def misled_policy(learn_prices: bool) -> AutoPolicy:
     return AutoPolicy(memory, options, learn_prices=learn_prices)
 
 
-@pytest.mark.parametrize("learn_prices", [True, False])
-def test_a_policy_misled_by_its_calibration_finds_the_faster_chain_from_paired_steps(learn_prices):
-    true_seconds = {"plain": 1.0, "chain1": 1.2, "chain2": 1.4, "chain3": 1.6}
-    policy = misled_policy(learn_prices)
+def decode_steps(policy: AutoPolicy, true_seconds: dict[str, float], steps: int) -> list[str]:
+    """``steps`` choices of ``policy``, each step taking its option's ``true_seconds`` (acceptance held fixed)."""
     choices = []
-    for _ in range(8 * PROBE_EVERY):
+    for _ in range(steps):
         option = policy.next()
         key = "plain" if option is None else option.describe()
         policy.observe_seconds(option, true_seconds[key])
         choices.append(key)
+    return choices
+
+
+@pytest.mark.parametrize("learn_prices", [True, False])
+def test_a_policy_misled_by_its_calibration_finds_the_faster_chain_from_paired_steps(learn_prices):
+    true_seconds = {"plain": 1.0, "chain1": 1.2, "chain2": 1.4, "chain3": 1.6}
+    policy = misled_policy(learn_prices)
+    choices = decode_steps(policy, true_seconds, 8 * PROBE_EVERY)
     late = choices[-4 * PROBE_EVERY:]
     if learn_prices:
         assert late.count("chain3") > 0.85 * len(late), late
@@ -128,12 +134,7 @@ def test_the_runners_up_are_probed_in_turn_so_a_third_option_priced_too_high_is_
     memory.acceptance = {(d, 0): (80.0, 100.0) for d in (1, 2, 3)}
     policy = AutoPolicy(memory, options)
     true_seconds = {"plain": 1.0, "chain1": 1.2, "chain2": 1.4, "chain3": 1.5}
-    choices = []
-    for _ in range(12 * PROBE_EVERY):
-        option = policy.next()
-        key = "plain" if option is None else option.describe()
-        policy.observe_seconds(option, true_seconds[key])
-        choices.append(key)
+    choices = decode_steps(policy, true_seconds, 12 * PROBE_EVERY)
     late = choices[-4 * PROBE_EVERY:]
     if runners == 2:
         assert late.count("chain3") > 0.85 * len(late), late
