@@ -180,8 +180,9 @@ class AutoPolicy:
                  new_tokens: int = DEFAULT_NEW_TOKENS, learn_prices: bool = True) -> None:
         self.memory, self.options = memory, options
         self.learn_prices = learn_prices
-        """Greedy calls: the runner-up is probed twice in a row, and paired steps of two drafting options correct
-        their prices (:meth:`observe_seconds`); sampling calls may not depend on timings."""
+        """Greedy calls: the runners-up are probed in turn (``PROBED_RUNNERS``), each twice in a row, and paired steps
+        of two drafting options correct their prices (:meth:`observe_seconds`); sampling calls may not depend on
+        timings."""
         self._pairs = StepPairs()
         self._repeat: Optional[int] = None  # the probe to take again at the next step
         self.margin = DRAFT_MARGIN

@@ -8,9 +8,9 @@ it cost 1.33). During decoding the policy takes its best option most of the time
 one of the runners-up (the second- and third-best in turn) twice, so the decode itself holds pairs of near, steady
 steps of two drafting options: ``X X Y Y`` gives the ratio of the second ``Y`` to the second ``X``, two steps apart
 (drift on a shared machine cancels, as in the calibration; the first step after a switch catches the MTP modules up
-and is not used). :class:`PairedPrices` keeps those log ratios
-and fits one multiplicative correction per option: a least-squares fit of the pairs' medians, each option's
-correction held towards 1 by a prior worth ``PRIOR_PAIRS`` pairs. Only drafting options are paired, never a plain
+and is not used). :class:`PairedPrices` keeps those log ratios and fits one multiplicative correction per option: a
+least-squares fit of the pairs' medians, each option's correction held towards 1 by a prior worth ``PRIOR_PAIRS``
+pairs. Only drafting options are paired, never a plain
 step, so the corrections reshape the drafting options' prices among themselves while the plain price stays the
 calibration's (a running average of step times would drift with the machine against it). Sampling calls never use
 them: which draft a sampling step makes decides which random numbers it consumes, so it may not depend on timings.
@@ -50,15 +50,12 @@ class PairedPrices:
     pairs: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     """(a, b), a < b -> recent samples of log(seconds of b's step / seconds of a's)."""
     factors: dict[str, float] = field(default_factory=dict)
-    """option -> multiplicative correction of its calibrated price (absent: 1)."""
-    calibrated: dict[str, float] = field(default_factory=dict)
-    """The calibrated prices the corrections were fitted against (a recalibration clears the pairs)."""
+    """option -> multiplicative correction of its calibrated price (absent: 1); refitted after each new pair."""
 
     def clear(self) -> None:
         """Forget every pair and correction (after a new calibration)."""
         self.pairs.clear()
         self.factors.clear()
-        self.calibrated.clear()
 
     def add(self, earlier: str, later: str, ratio: float) -> bool:
         """Keep one paired ratio (seconds of ``later``'s step / seconds of ``earlier``'s); ``False`` (not kept) for
@@ -75,9 +72,10 @@ class PairedPrices:
 
     def apply(self, calibrated: dict[str, float]) -> dict[str, float]:
         """``calibrated`` prices (option -> seconds) with the corrections applied (options never paired and
-        ``"plain"`` unchanged)."""
-        if self.pairs and (not self.factors or calibrated != self.calibrated):
-            self.calibrated = dict(calibrated)
+        ``"plain"`` unchanged; without pairs, ``calibrated`` itself)."""
+        if not self.pairs:
+            return calibrated
+        if not self.factors:
             self.factors = self._fit(calibrated)
         return {key: price * self.factors.get(key, 1.0) for key, price in calibrated.items()}
 
