@@ -28,9 +28,13 @@ option must beat a plain step by ``DRAFT_MARGIN``; in a batch, its expected toke
 gains them (:mod:`~lightning_mtp.decoding.slowest_row`: rows accept different numbers of drafts and the batch steps
 until the last one is done, so the spread of a step's tokens costs the more, the more rows and the fewer tokens per
 row a call has). After ``RETIRE_AFTER`` plain
-choices in a row the call drops the drafter and finishes with the plain decoding loop, and where
-drafting was clearly unprofitable (``RETIRE_HOPELESS``) the next calls decode plainly from their first step (every
-``RECHECK_EVERY``-th one decides afresh), so where drafting does not pay ``auto`` costs (almost) nothing.
+choices in a row the call drops the drafter and finishes with the plain decoding loop. After a call where drafting
+was clearly unprofitable (``RETIRE_HOPELESS``), or two calls in a row that retired while it was close, the next calls
+decode plainly from their first step, the drafter never set up; one call in ``RECHECK_EVERY`` decides afresh, and
+each recheck that retires again doubles that interval (up to ``MAX_RECHECK_EVERY``). So where drafting does not pay,
+or only breaks even, ``auto`` costs (almost) nothing: exploring a call's prompts, the plain steps inside the drafting
+loop and the drafter's set-up over the prompt are each worth little but together cost a call that retires 10-15%
+(measured on the ``transformers`` host of ``benchmarks/hf_compare.py``, where the best chain gives 0.86-0.90x).
 Both estimates are kept per model, batch size and device, so later greedy calls start from what earlier calls learned.
 Every option is lossless, so the policy only changes speed: greedy output stays identical to plain decoding and sampling
 keeps the model's distribution. With sampling, which draft a step makes decides which random numbers it consumes, so
@@ -86,8 +90,17 @@ batch 1 the estimate after a few steps of a new prompt is noisy (measured on the
 switched to plain after 8 steps where drafting paid 7-10%, and only the probe every ``PROBE_EVERY`` steps could
 bring them back)."""
 RECHECK_EVERY = 8
-"""Once calls retire, the following ones decode plainly from the start, but every this many calls one decides afresh
-(the prompts, and so the acceptance, may have changed)."""
+"""Once calls retire (``START_PLAIN_STREAK``), the following ones decode plainly from the start, but every this many
+calls one decides afresh (the prompts, and so the acceptance, may have changed)."""
+MAX_RECHECK_EVERY = 64
+"""Each recheck call that retires again doubles the interval between rechecks, up to this many calls (a recheck of a
+host where drafting does not pay costs a call about 10-15%: at one call in 8 that alone is 1-2% of plain's speed)."""
+START_PLAIN_STREAK = 2
+"""Calls start plainly once the retiring calls in a row weigh this much: a hopeless retirement weighs
+``START_PLAIN_STREAK`` (one suffices), a close one 1 (two in a row: one harder prompt must not stop drafting for the
+next calls, measured where a chain of 2 gave 1.29x; but a host where drafting only breaks even must not explore every
+call, measured on the ``transformers`` host: ``auto`` 0.87-0.91x of plain while every close retirement let the next
+call draft again)."""
 RETIRE_HOPELESS = 0.9
 """A retiring call makes the next calls start plainly only if its best drafting option's expected rate was below this
 fraction of what it had to reach (a plain step's times the margin): clearly unprofitable; closer calls leave the next
@@ -145,8 +158,16 @@ class AutoMemory:
     calls: int = 0
     """Decoding calls that used this memory."""
     retired_calls: int = 0
-    """Consecutive calls that stopped drafting (``RETIRE_AFTER``); while > 0 a call decodes plainly from its first
-    step, but every ``RECHECK_EVERY``-th call decides afresh."""
+    """Weight of the consecutive calls that stopped drafting (``RETIRE_AFTER``): a hopeless retirement
+    ``START_PLAIN_STREAK``, a close one 1. From ``START_PLAIN_STREAK`` on a call decodes plainly from its first step,
+    but one call in ``recheck_every`` decides afresh."""
+    recheck_every: int = RECHECK_EVERY
+    """Calls between rechecks while calls start plainly: doubled by each recheck that retires again (up to
+    ``MAX_RECHECK_EVERY``), back to ``RECHECK_EVERY`` when a call drafts to its end."""
+    plain_calls: int = 0
+    """Calls started plainly since the last call that decided for itself."""
+    last_call_retired: bool = False
+    """Whether the last call stopped drafting (or never started); a call that drafted to its end breaks the streak."""
 
     @property
     def step_seconds(self) -> dict[str, float]:
@@ -201,13 +222,23 @@ class AutoPolicy:
         self.begin_call()
 
     def begin_call(self) -> None:
-        """A call's start: plain from the first step when earlier calls retired (but every ``RECHECK_EVERY``-th),
-        else each acceptance count known so far is kept at the weight of at most ``CALL_START_EVIDENCE`` tries."""
+        """A call's start: plain from the first step when earlier calls retired (``START_PLAIN_STREAK``; but one call
+        in ``recheck_every`` decides afresh), else each acceptance count known so far is kept at the weight of at
+        most ``CALL_START_EVIDENCE`` tries."""
         memory = self.memory
         self._rates = None
-        if memory.retired_calls and memory.calls % RECHECK_EVERY and self.options[0] is None:
-            self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
-            return
+        if not memory.last_call_retired:  # the last call drafted to its end: the streak is broken
+            memory.retired_calls, memory.recheck_every = 0, RECHECK_EVERY
+        memory.last_call_retired = False
+        self.recheck = False
+        """This call decides afresh after calls that started plainly: if it retires too, rechecks get rarer."""
+        if memory.retired_calls >= START_PLAIN_STREAK and self.options[0] is None:
+            if memory.plain_calls + 1 < memory.recheck_every:
+                memory.plain_calls += 1
+                memory.last_call_retired = True
+                self.plain_run = RETIRE_AFTER  # earlier calls found that drafting does not pay: plain from the start
+                return
+            memory.plain_calls, self.recheck = 0, True
         # A new call, probably new prompts: each of earlier calls' acceptance counts is kept at the weight of at
         # most CALL_START_EVIDENCE tries (its rate unchanged), so this call's own drafts soon outweigh them. Each on
         # its own: scaled all by depth 1's factor, a rarely tried key (a second-ranked sibling, tried by the few tree
@@ -342,10 +373,11 @@ class AutoPolicy:
             # This call retires. The next ones start plainly only when drafting looked clearly unprofitable; where
             # it was close (its rate within RETIRE_HOPELESS of plain's), another prompt may well pay, so they decide
             # afresh (measured: one harder prompt retired auto for the next six, where a chain of 2 gave 1.29x).
-            hopeless = self._hopeless(rates, drafting, plain)
-            self.memory.retired_calls = self.memory.retired_calls + 1 if hopeless else 0
-        elif self.plain_run == 0:
-            self.memory.retired_calls = 0
+            memory = self.memory
+            memory.retired_calls += START_PLAIN_STREAK if self._hopeless(rates, drafting, plain) else 1
+            memory.last_call_retired = True
+            if self.recheck:  # it retires again: check less often
+                memory.recheck_every = min(2 * memory.recheck_every, MAX_RECHECK_EVERY)
         if self.steps % PROBE_EVERY == 0:
             # keep the runner-up's estimates current (a slow measurement must not lock an option out); greedy calls
             # take the runners-up in turn (ranks 2 .. PROBED_RUNNERS + 1), so that an option the calibration priced
