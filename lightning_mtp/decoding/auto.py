@@ -102,9 +102,9 @@ next calls, measured where a chain of 2 gave 1.29x; but a host where drafting on
 call, measured on the ``transformers`` host: ``auto`` 0.87-0.91x of plain while every close retirement let the next
 call draft again)."""
 RETIRE_HOPELESS = 0.9
-"""A retiring call makes the next calls start plainly only if its best drafting option's expected rate was below this
-fraction of what it had to reach (a plain step's times the margin): clearly unprofitable; closer calls leave the next
-ones to decide afresh."""
+"""A retiring call makes the next calls start plainly on its own only if its best drafting option's expected rate was
+below this fraction of what it had to reach (a plain step's times the margin): clearly unprofitable; a closer call
+leaves the next one to decide afresh, and two in a row start calls plainly (``START_PLAIN_STREAK``)."""
 CALL_START_EVIDENCE = MIN_EVIDENCE / 2
 """At a call's start each acceptance count of earlier calls is scaled down to at most this many tries: prompts
 differ, and with fewer than ``MIN_EVIDENCE`` tries the call drafts a few steps to learn its own acceptance."""
