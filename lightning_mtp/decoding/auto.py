@@ -370,9 +370,10 @@ class AutoPolicy:
                 and not self._hopeless(rates, drafting, plain)):
             best = drafting  # a close call: the probe costs about nothing and its evidence may turn the choice
         if self.plain_run == RETIRE_AFTER:
-            # This call retires. The next ones start plainly only when drafting looked clearly unprofitable; where
-            # it was close (its rate within RETIRE_HOPELESS of plain's), another prompt may well pay, so they decide
-            # afresh (measured: one harder prompt retired auto for the next six, where a chain of 2 gave 1.29x).
+            # This call retires. The next ones start plainly when drafting looked clearly unprofitable; where it was
+            # close (its rate within RETIRE_HOPELESS of plain's), another prompt may well pay, so the next call
+            # decides afresh (measured: one harder prompt retired auto for the next six, where a chain of 2 gave
+            # 1.29x), and only a second close retirement in a row makes the calls after it start plainly.
             memory = self.memory
             memory.retired_calls += START_PLAIN_STREAK if self._hopeless(rates, drafting, plain) else 1
             memory.last_call_retired = True
