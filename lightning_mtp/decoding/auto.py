@@ -155,8 +155,6 @@ class AutoMemory:
     paired: PairedPrices = field(default_factory=PairedPrices)
     """Corrections of the drafting options' prices among themselves from paired steps of greedy decoding
     (:mod:`~lightning_mtp.decoding.paired_prices`); cleared by a new calibration."""
-    calls: int = 0
-    """Decoding calls that used this memory."""
     retired_calls: int = 0
     """Weight of the consecutive calls that stopped drafting (``RETIRE_AFTER``): a hopeless retirement
     ``START_PLAIN_STREAK``, a close one 1. From ``START_PLAIN_STREAK`` on a call decodes plainly from its first step,
@@ -214,7 +212,6 @@ class AutoPolicy:
         self.steps = 0
         self.plain_run = 0
         """Consecutive steps the policy chose a plain step (probes aside)."""
-        memory.calls += 1
         self.last_tried: dict[str, int] = {}
         self.keys = ["plain" if o is None else o.describe() for o in options]
         self._index = {option: i for i, option in enumerate(options)}
