@@ -226,7 +226,7 @@ def test_accepted_length_histogram_matches_theory():
 
 
 def test_withdrawn_drafts_stay_lossless():
-    """Drafts withdrawn by the confidence threshold (-1, q = 0) must not bias the output."""
+    """Drafts withdrawn (-1, q = 0) at random, independently of the drafted tokens, must not bias the output."""
 
     class Withdrawing(TableDrafter):
         def draft(self, state, tokens, newest, num_drafts, params, generator=None, confidence_threshold=None):
@@ -272,6 +272,49 @@ def check_first_three_tokens(model, prompt: torch.Tensor, new_tokens: torch.Tens
     check_counts(torch.bincount(new_tokens[:, 0], minlength=VOCAB), first, f"{what} token 1")
     check_counts(torch.bincount(new_tokens[:, 1], minlength=VOCAB), marginal2, f"{what} token 2")
     check_counts(torch.bincount(new_tokens[:, 2], minlength=VOCAB), marginal3, f"{what} token 3")
+
+
+def exact_first_two(model, prompt: torch.Tensor) -> torch.Tensor:
+    """The exact joint distribution (x1, x2) (V, V) of the first two tokens of sampling ``model`` at temperature 1
+    after ``prompt`` (1, P), enumerated over the 16-token vocabulary."""
+    with torch.no_grad():
+        first = torch.softmax(model.logits(model(prompt))[0, -1].double(), -1)  # (V,)
+        seqs = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB).unsqueeze(1)], dim=1)  # (V, P + 1)
+        second = torch.softmax(model.logits(model(seqs))[:, -1].double(), -1)  # (x1, x2)
+    return first.unsqueeze(1) * second
+
+
+def test_confidence_threshold_never_withdraws_a_draft_for_its_value(make_tiny_model):
+    """p = (0.5, 0.5), q = (0.9, 0.1), threshold 0.5, through MTPDrafter and verification: the token after a draft is
+    still (0.5, 0.5). Withdrawing a sampled draft x when q(x) < 0.5 would give (0.9·5/9 + 0.1·0.5, 0.45) = (0.55, 0.45).
+    """
+    model = make_tiny_model(depth=1, vocab_size=2, tie_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # p = (0.5, 0.5) everywhere
+    draft_logits = torch.tensor([0.9, 0.1]).log()
+    model.mtp_depth_logits = lambda depth, hidden: draft_logits.expand(hidden.shape[0], -1)  # (B, 2): q = (0.9, 0.1)
+    out = model.generate(torch.zeros(ROWS, 3, dtype=torch.long), 2, temperature=1.0, speculative=True,
+                         draft_confidence_threshold=0.5, generator=torch.Generator().manual_seed(0))
+    check_counts(torch.bincount(out.new_tokens[:, 1], minlength=2), torch.tensor([0.5, 0.5]), "token after a draft")
+    assert out.stats.drafted_per_depth == [ROWS]  # max q = 0.9 ≥ 0.5: every row drafts, whatever it draws
+
+
+def test_confidence_threshold_sampling_is_lossless():
+    """``generate(temperature=1, draft_confidence_threshold=0.4)`` with the real MTP drafter on the tiny CausalLM: the
+    joint distribution of the first two tokens (the second one drafted at depth 1, or withdrawn) is the model's."""
+    from test_decoding import draftable_model
+
+    model = draftable_model("cascaded")
+    prompt = torch.tensor([[5, 2, 9, 11, 3]])
+    rows = 16384
+    out = model.generate(prompt.expand(rows, -1), 2, temperature=1.0, speculative=True,
+                         draft_confidence_threshold=0.4, generator=torch.Generator().manual_seed(0))
+    drafted = out.stats.drafted_per_depth[0]
+    assert 0.2 * rows < drafted < 0.8 * rows  # the threshold withdrew some depth-1 drafts and kept others
+    assert out.stats.accepted_per_depth[0] > 0.1 * rows
+    pairs = out.new_tokens[:, 0] * VOCAB + out.new_tokens[:, 1]  # (rows,) index of (x1, x2)
+    check_counts(torch.bincount(pairs, minlength=VOCAB * VOCAB), exact_first_two(model, prompt).flatten(),
+                 "first two tokens")
 
 
 # ----------------------------------------------------------------------------------------------- typical acceptance

@@ -164,15 +164,19 @@ class MTPDrafter:
                 state.hidden[k][rows, positions] = out
             logits = self.module.mtp_depth_logits(k, out[:, -1])  # (B, V) at position n-1
             temperature = self.module.mtp_draft_temperatures[k - 1]
+            # Confidence = the drafter's top probability at depth k, known before d_k is drawn. Stopping on it (and on
+            # the prefix and earlier drafts) keeps sampling exact: given that depth k is drafted, d_k is still a
+            # sample of q_k, which is all rejection sampling needs. Stopping on q_k(d_k) would not be: a draft may
+            # not be withdrawn because of its own value (surviving drafts would come from q_k cut to confident tokens).
             if params.greedy:
                 token = logits.argmax(dim=-1)  # (B,)
                 q = None
                 if confidence_threshold is not None:
-                    confidence = torch.softmax(logits.float() / temperature, dim=-1).amax(dim=-1)
+                    confidence = torch.softmax(logits.float() / temperature, dim=-1).amax(dim=-1)  # (B,)
             else:
                 q = logits_to_probs(logits / temperature, params.temperature, params.top_k, params.top_p)  # (B, V)
+                confidence = q.amax(dim=-1)  # (B,)
                 token = sample(q, generator)
-                confidence = q.gather(1, token.unsqueeze(1)).squeeze(1)
             tokens.scatter_(1, (newest + k).unsqueeze(1), token.unsqueeze(1))  # buffer keeps the real id
             if confidence_threshold is not None:
                 confident = confidence >= confidence_threshold
