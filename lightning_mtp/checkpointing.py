@@ -55,6 +55,7 @@ def mtp_metadata(module: Any) -> dict:
     cfg = module.mtp_config
     return {
         "version": FORMAT_VERSION,
+        "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "depth": cfg.depth,
         "architecture": cfg.architecture,
         "config": asdict(cfg),
@@ -81,6 +82,7 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     state = checkpoint.get("state_dict")
     if state is None:
         return report
+    refuse_other_model(module, checkpoint)
     own = {k: v for k, v in module.state_dict().items() if _is_mtp_key(k)}
     saved = {k for k in state if _is_mtp_key(k)}
     report.new = sorted(set(own) - saved)
@@ -110,6 +112,31 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     rank_zero_warn(f"Loading MTP weights into {type(module).__name__} (depth {module.mtp_config.depth}): "
                    f"{report.summary()}")
     return report
+
+
+def refuse_other_model(module: Any, checkpoint: dict) -> None:
+    """Raise ``ValueError`` when the checkpoint's weights outside the MTP heads are not ``module``'s (another model
+    class, or another number of layers): say which class wrote it, when it says, and how to load it with that class.
+    A checkpoint of MTP weights alone (a frozen trunk's) is not checked here."""
+    saved = {k for k in checkpoint.get("state_dict") or {} if not _is_mtp_key(k)}
+    if not saved:
+        return
+    own = {k for k in module.state_dict() if not _is_mtp_key(k)}
+    foreign, missing = sorted(saved - own), sorted(own - saved)
+    if not foreign and not missing:
+        return
+    name = type(module).__name__
+    written_by = (checkpoint.get(CHECKPOINT_KEY) or {}).get("module_class") or (
+        checkpoint.get("hyper_parameters") or {}).get("_class_path")
+    parts = ([f"weights {name} has not ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"] if foreign
+             else []) + ([f"none of {name}'s {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"]
+                         if missing else [])
+    origin = f"it was written by a {written_by}" if written_by else "it was written by another model"
+    raise ValueError(
+        f"the checkpoint's weights are not {name}'s: it holds {' and '.join(parts)}; {origin}. Load it with the "
+        f"class that wrote it ({'--model ' + written_by if written_by else '--model path.to.TheClass'} on the "
+        "command line, or TheClass.load_from_checkpoint in Python)"
+    )
 
 
 def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) -> None:

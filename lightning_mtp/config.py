@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
+from lightning_mtp.finite import is_finite_number
+
 ARCHITECTURES = ("cascaded", "parallel")
 LAYOUTS = ("lightning", "native")
 
@@ -95,21 +97,21 @@ class MTPConfig:
             raise _fail("depth", f"must be >= 1, got {self.depth!r}")
         if self.architecture not in ARCHITECTURES:
             raise _fail("architecture", f"must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        if not self.loss_weight >= 0:
-            raise _fail("loss_weight", f"must be >= 0, got {self.loss_weight!r}")
+        if not (is_finite_number(self.loss_weight) and self.loss_weight >= 0):
+            raise _fail("loss_weight", f"must be a finite number >= 0, got {self.loss_weight!r}")
         if self.depth_weights is not None:
             if len(self.depth_weights) != self.depth:
                 raise _fail("depth_weights", f"needs one weight per depth ({self.depth}), got {self.depth_weights!r}")
-            if any(not w >= 0 for w in self.depth_weights):
-                raise _fail("depth_weights", f"must all be >= 0, got {self.depth_weights!r}")
+            if any(not (is_finite_number(w) and w >= 0) for w in self.depth_weights):
+                raise _fail("depth_weights", f"must all be finite numbers >= 0, got {self.depth_weights!r}")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise _fail("loss_chunk_size", f"must be >= 1, got {self.loss_chunk_size!r}")
         if self.num_heads is not None and self.num_heads < 1:
             raise _fail("num_heads", f"must be >= 1, got {self.num_heads!r}")
-        if self.mlp_ratio is not None and not self.mlp_ratio > 0:
-            raise _fail("mlp_ratio", f"must be > 0, got {self.mlp_ratio!r}")
-        if not self.distill_weight >= 0:
-            raise _fail("distill_weight", f"must be >= 0, got {self.distill_weight!r}")
+        if self.mlp_ratio is not None and not (is_finite_number(self.mlp_ratio) and self.mlp_ratio > 0):
+            raise _fail("mlp_ratio", f"must be a finite number > 0, got {self.mlp_ratio!r}")
+        if not (is_finite_number(self.distill_weight) and self.distill_weight >= 0):
+            raise _fail("distill_weight", f"must be a finite number >= 0, got {self.distill_weight!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise _fail("layout", f"must be one of {LAYOUTS} (or unset: the host decides), got {self.layout!r}")
         if self.layout == "native":

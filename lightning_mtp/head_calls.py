@@ -35,8 +35,8 @@ def loss_head(pl_module: MTPMixin, depth: int) -> Callable[[Tensor], Tensor]:
 
     Raises:
         ValueError: for a shared head under ``detach_trunk`` whose weight is a DeepSpeed ZeRO-3 partition, which
-            cannot be read outside the module call (``strategies.validate_mtp_under_zero`` refuses the setting at setup;
-            this is the same refusal where that check did not run).
+            cannot be read outside the module call (``zero_settings.validate_mtp_under_zero`` refuses the setting at
+            setup; this is the same refusal where that check did not run).
     """
     head = depth_head(pl_module, depth)
     shared = head is depth_head(pl_module, 0)

@@ -17,16 +17,18 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_mtp.finite import is_finite_number
+
 NO_DECAY_NAMES = ("embed", ".wte.", ".wpe.")
 """Parameter-name parts of embeddings, which get no weight decay (with norms and biases: every tensor below 2-D)."""
 
 
 def check_optimizer_args(learning_rate: float, weight_decay: float, warmup_steps: int) -> None:
     """Raise ``ValueError`` naming the ``--model.init_args.*`` flag of a bad value."""
-    if not learning_rate > 0:
-        raise ValueError(f"--model.init_args.learning_rate must be > 0, got {learning_rate!r}")
-    if not weight_decay >= 0:
-        raise ValueError(f"--model.init_args.weight_decay must be >= 0, got {weight_decay!r}")
+    if not (is_finite_number(learning_rate) and learning_rate > 0):
+        raise ValueError(f"--model.init_args.learning_rate must be a finite number > 0, got {learning_rate!r}")
+    if not (is_finite_number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"--model.init_args.weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if warmup_steps < 0:
         raise ValueError(f"--model.init_args.warmup_steps must be >= 0, got {warmup_steps!r}")
 

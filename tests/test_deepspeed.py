@@ -150,6 +150,19 @@ def test_zero3_rejects_what_reads_partitioned_weights(make_tiny_model, mtp_kwarg
     validate_mtp_under_zero(_trainer(model), 2)  # ZeRO-2 keeps whole parameters: fine
 
 
+def test_the_mixin_refuses_them_at_setup_under_the_stock_strategy(make_tiny_model):
+    """The stock DeepSpeedStrategy (what GPU users run) gets the same refusal, from the module's own setup."""
+    import lightning as L
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    model = make_tiny_model(depth=2, recompute=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), logger=False)
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    with pytest.raises(ValueError, match="recompute.*ZeRO stage 3"):
+        model.setup("fit")
+
+
 def test_zero3_allows_separate_heads_with_detach_trunk(make_tiny_model):
     model = make_tiny_model(depth=2, detach_trunk=True, share_output_head=False)
     validate_mtp_under_zero(_trainer(model), 3)

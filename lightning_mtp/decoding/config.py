@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Optional, Union
 
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, TreeShape
+from lightning_mtp.finite import is_finite_number
 
 ACCEPTANCE_RULES = ("exact", "typical")
 
@@ -68,9 +69,11 @@ class GenerationConfig:
     module's ``mtp_tokenizer`` record, kept from training or the checkpoint), else ``eos_token_id`` (as
     ``transformers`` falls back), else 0 (never used then: without EOS every row generates ``max_new_tokens``)."""
     draft_confidence_threshold: Optional[float] = None
-    """Dynamic draft length: a row stops drafting once its draft's probability under the drafter falls below this
-    value, and a step stops calling deeper MTP modules once every row has stopped. ``None`` always drafts
-    ``draft_tokens``. Lossless (it only changes which drafts are proposed)."""
+    """Dynamic draft length: a row stops drafting once the drafter's top probability at the next depth (after the same
+    temperature / top-k / top-p processing as its drafts) falls below this value, decided before that depth's token is
+    drawn; a step stops calling deeper MTP modules once every row has stopped. ``None`` always drafts
+    ``draft_tokens``. Lossless for greedy decoding and for sampling (whether a depth is drafted never depends on the
+    token drawn there)."""
     adaptive_draft_tokens: bool = False
     """Dynamic draft length: choose each step's number of drafts from the running acceptance (depth k is drafted while
     the running rate of reaching it stays ≥ ``adaptive_min_reach``; the full depth is re-probed every 8 steps).
@@ -129,8 +132,8 @@ class GenerationConfig:
             raise _fail("typical_epsilon", f"must be in (0, 1], got {self.typical_epsilon!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise _fail("seed", f"must be an integer >= 0 or None, got {self.seed!r}")
-        if not self.typical_delta > 0:
-            raise _fail("typical_delta", f"must be > 0, got {self.typical_delta!r}")
+        if not (is_finite_number(self.typical_delta) and self.typical_delta > 0):
+            raise _fail("typical_delta", f"must be a finite number > 0, got {self.typical_delta!r}")
 
     def _check_tree(self) -> None:
         tree = self.draft_tree

@@ -46,6 +46,7 @@ from lightning_mtp.decoding.step import speculative_step, verify_forward
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
 from lightning_mtp.decoding.tree_policy import AutoSteps, draft_plan
 from lightning_mtp.decoding.tree_step import tree_step
+from lightning_mtp.finite import check_finite_weights
 
 
 # ----------------------------------------------------------------------------------------------- input handling
@@ -91,6 +92,17 @@ def prepare_prompts(
     packed = torch.zeros(batch, length + 1, dtype=torch.long, device=device)
     packed.scatter_(1, destination, torch.where(mask, input_ids, torch.zeros_like(input_ids)))
     return packed[:, : int(lengths.max())], lengths
+
+
+def check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
+    """Refuse an EOS or pad id outside the vocabulary: such an EOS could never be emitted (rows would run to
+    ``max_new_tokens`` without a word), and such padding would not decode."""
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(config, name)
+        if value is not None and value >= vocab_size:
+            raise ValueError(f"{name} (GenerationConfig.{name}, --model.generation.{name}) is {value}, outside the "
+                             f"model's vocabulary of {vocab_size} ids: give an id below {vocab_size} (the tokenizer's "
+                             "own, or None for its default)")
 
 
 def check_budget(prompt_lengths: Tensor, max_new_tokens: int, max_context: int) -> None:
@@ -306,6 +318,8 @@ def generate(
             raise ValueError("generate() takes either seed or generator, not both: the seed would be ignored")
         generator = torch.Generator(device=module_device_dtype(module)[0]).manual_seed(config.seed)
     host = decoding_host(module)
+    check_finite_weights(module)
+    check_special_ids(config, host.vocab_size)
     sync_ranks = needs_rank_sync(module)
     device, _ = module_device_dtype(module)
     drafter, policy = draft_plan(module, host, config, prompt_batch(input_ids), device, sync_ranks)

@@ -42,9 +42,11 @@ from torch import nn
 
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
+from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.distillation import self_distillation_term
 from lightning_mtp.mixin.construction import MTPConstruction, check_block_spec
 from lightning_mtp.mixin.contract import MTPHostContract
+from lightning_mtp.mixin.divergence import MTPDivergenceGuard
 from lightning_mtp.mixin.lifecycle import MTPLifecycle
 from lightning_mtp.mixin.objective import MTPObjective
 from lightning_mtp.mixin.steps import MTPSteps, unpack_batch
@@ -53,18 +55,27 @@ from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
 __all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "check_block_spec", "unpack_batch"]
 
 
-class MTPMixin(MTPSteps, MTPLifecycle, MTPObjective, MTPConstruction, MTPHostContract):
+class MTPMixin(MTPSteps, MTPLifecycle, MTPDivergenceGuard, MTPObjective, MTPConstruction, MTPHostContract):
     """Multi-token prediction for a LightningModule; see the module docstring for what the host provides.
 
     One class per concept, in ``lightning_mtp/mixin/``: :class:`MTPHostContract` (what the host provides),
     :class:`MTPConstruction` (building the modules), :class:`MTPObjective` (the loss), :class:`MTPSteps` (Lightning
-    steps and generation), :class:`MTPLifecycle` (checks and checkpoint hooks).
+    steps and generation), :class:`MTPLifecycle` (checks and checkpoint hooks), :class:`MTPDivergenceGuard` (a
+    non-finite loss or gradient stops the fit before the optimizer step).
     """
 
-    def __init__(self, *args: Any, mtp: Union[MTPConfig, dict, None] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, mtp: Union[MTPConfig, dict, None] = None,
+                 generation: Union[GenerationConfig, dict, None] = None, **kwargs: Any) -> None:
+        """``mtp``: the heads and their loss. ``generation``: how ``predict_step`` decodes; a module of your own
+        that takes a ``generation`` argument and passes it here gets ``--model.init_args.generation.*`` in
+        ``lightning-mtp predict`` (the CLI also applies those settings to a module without one)."""
         super().__init__(*args, **kwargs)
         if isinstance(mtp, dict):
             mtp = MTPConfig(**mtp)
+        if isinstance(generation, dict):
+            generation = GenerationConfig(**generation)
+        self.generation_config: GenerationConfig = generation or GenerationConfig()
+        self.mtp_generate_kwargs: dict = self.generation_config.to_kwargs()
         self.mtp_config: MTPConfig = mtp if mtp is not None else MTPConfig()
         # Runtime schedule state, driven by callbacks and saved in checkpoints.
         self.mtp_loss_weight: float = self.mtp_config.loss_weight

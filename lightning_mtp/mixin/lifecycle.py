@@ -6,14 +6,19 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_mtp import checkpointing
+from lightning_mtp.finite import check_finite_state_dict
 from lightning_mtp.metrics import log_custom_scalars_layout
+from lightning_mtp.zero_settings import validate_mtp_under_zero
 
 
 class MTPLifecycle:
-    """``setup``, ``on_fit_start``, ``on_save_checkpoint``, ``on_load_checkpoint``; every hook calls ``super()``."""
+    """``setup``, ``on_fit_start``, ``on_predict_start``, ``on_save_checkpoint``, ``on_load_checkpoint``; every hook
+    calls ``super()``."""
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if self._trainer is not None:
+            validate_mtp_under_zero(self.trainer)  # nothing to check without DeepSpeed
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is None:
             return
@@ -42,6 +47,22 @@ class MTPLifecycle:
                 self.mtp_tokenizer = record  # a new fit binds the weights to the data's tokenizer
             else:
                 self._refuse_other_tokenizer(record, "the model's weights")
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if hasattr(datamodule, "check_prompts_fit"):  # after the checkpoint (and its tokenizer) is loaded
+            self._check_prompts_fit(datamodule)
+
+    def _check_prompts_fit(self, datamodule) -> None:
+        """Refuse, naming the prompt's line, a prompt too long for the context left after ``max_new_tokens``."""
+        from lightning_mtp.decoding.host import decoding_host
+
+        context = decoding_host(self).max_context
+        new_tokens = (getattr(self, "mtp_generate_kwargs", None) or {}).get("max_new_tokens", 64)
+        why = (f"the model's decoding context of {context} tokens ({self.mtp_context_flag()}) minus "
+               f"--model.init_args.generation.max_new_tokens {new_tokens}")
+        datamodule.check_prompts_fit(context - new_tokens, why)
 
     def bind_mtp_tokenizer(self, record: dict, source: str = "the checkpoint") -> None:
         """Record the tokenizer these weights were trained with (``Tokenizer.spec()`` plus data settings, as
@@ -76,6 +97,8 @@ class MTPLifecycle:
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
+        # A diverged fit stops before its weights turn non-finite (MTPDivergenceGuard); this catches any other way.
+        check_finite_state_dict(checkpoint.get("state_dict") or {}, "refusing to write a checkpoint")
         checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
         if self.mtp_tokenizer is not None:
             checkpoint[checkpointing.TOKENIZER_KEY] = self.mtp_tokenizer

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_mtp import decoding
@@ -40,13 +41,14 @@ class MTPSteps:
     _mtp_validation_record: Optional[ValidationForward] = None  # the current validation batch's, when asked for
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        input_ids, labels = self.mtp_checked_batch(batch)
         out = self.compute_lm_loss(input_ids, labels)
+        self.mtp_watch_loss(out)
         self._log_mtp(out, "train", input_ids.shape[0])
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        input_ids, labels = self.mtp_checked_batch(batch)
         record = self._mtp_validation_record
         if record is not None and record.input_ids is not input_ids:
             record = self._mtp_validation_record = None  # another batch's, left by a hook that skipped super()
@@ -56,6 +58,36 @@ class MTPSteps:
             out = self.compute_lm_loss(input_ids, labels)
         self._log_mtp(out, "val", input_ids.shape[0])
         return out.loss
+
+    def mtp_checked_batch(self, batch: Any) -> tuple[Tensor, Optional[Tensor]]:
+        """``unpack_batch`` with the batch checked: a dict has ``input_ids``; ``labels`` and ``attention_mask`` have
+        its shape; ids lie in the vocabulary and labels too, or equal ``ignore_index`` (one host sync)."""
+        if isinstance(batch, dict) and "input_ids" not in batch:
+            raise ValueError(f"a batch must be a (B, T) tensor of token ids or a dict with 'input_ids' (and optional "
+                             f"'labels', 'attention_mask'); got a dict with keys {sorted(map(str, batch))}")
+        ignore = self.mtp_config.ignore_index
+        input_ids, labels = unpack_batch(batch, ignore)
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"a batch's input_ids must be a (B, T) tensor of integer token ids, got {shape}")
+        for name in ("labels", "attention_mask"):
+            value = batch.get(name) if isinstance(batch, dict) else (labels if name == "labels" else None)
+            if value is not None and tuple(value.shape) != tuple(input_ids.shape):
+                raise ValueError(f"a batch's {name} must have input_ids' shape {tuple(input_ids.shape)}, got "
+                                 f"{tuple(value.shape)}")
+        vocab = self.mtp_vocab_size_hint()
+        if vocab is None:
+            return input_ids, labels
+        scored = input_ids if labels is None else labels.masked_fill(labels == ignore, 0)
+        low, high, label_low, label_high = torch.stack(
+            [input_ids.min(), input_ids.max(), scored.min(), scored.max()]).tolist()
+        if low < 0 or high >= vocab or label_low < 0 or label_high >= vocab:
+            what = "input_ids" if low < 0 or high >= vocab else f"labels (other than ignore_index {ignore})"
+            span = (low, high) if what == "input_ids" else (label_low, label_high)
+            raise ValueError(f"a batch's {what} range over [{span[0]}, {span[1]}], outside the model's vocabulary "
+                             f"[0, {vocab}): the data's tokenizer does not fit the model (--data.tokenizer, "
+                             "--data.vocab_size and the model's vocabulary size must agree)")
+        return input_ids, labels
 
     def mtp_validation_forward(self, batch: Any) -> ValidationForward:
         """The shared forward of validation batch ``batch``; the first call for a batch asks for it.
@@ -95,7 +127,7 @@ class MTPSteps:
         return out, fwd
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = unpack_batch(batch, self.mtp_config.ignore_index)
+        input_ids, labels = self.mtp_checked_batch(batch)
         out = self.compute_lm_loss(input_ids, labels)
         self._log_mtp(out, "test", input_ids.shape[0])
         return out.loss

@@ -28,6 +28,7 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH
+from lightning_mtp.finite import is_finite_number
 from lightning_mtp.layers import (
     Block,
     KVCache,
@@ -81,6 +82,11 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} (--model.model.n_kv_heads) must divide "
                 f"n_heads={self.n_heads}"
             )
+        for name in ("mlp_ratio", "norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if not (is_finite_number(value) and value > 0):
+                raise ValueError(f"ModelConfig.{name} (--model.model.{name}) must be a finite number > 0, "
+                                 f"got {value!r}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head size dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
 
