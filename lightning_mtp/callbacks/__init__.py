@@ -8,6 +8,8 @@ callback                      what it does
 ``MTPDiversityRegularizer``   penalises the collision probability of adjacent depths (loss term ``diversity``)
 ``MTPCouplingMonitor``        logs coupling, JS divergence, greedy acceptance, τ per draft length and calibration
 ``MTPDraftCalibration``       fits one draft temperature per depth to the main model on validation data
+``SafeCheckpoint``            ``ModelCheckpoint`` that keeps ``last.ckpt`` current (every validation, every N minutes,
+                              on SIGTERM / Ctrl-C), writes atomically and allows one fit per folder
 ============================  =========================================================================================
 
 Every callback checks its arguments in ``__init__`` (quoting the bad value) and that the module uses ``MTPMixin`` in
@@ -41,6 +43,7 @@ from lightning_mtp.callbacks.coupling_monitor import AcceptanceStats, MTPCouplin
 from lightning_mtp.callbacks.depth_warmup import MTPDepthWarmup
 from lightning_mtp.callbacks.diversity import MTPDiversityRegularizer, collision_sum
 from lightning_mtp.callbacks.draft_calibration import MTPDraftCalibration
+from lightning_mtp.callbacks.safe_checkpoint import SafeCheckpoint
 from lightning_mtp.callbacks.schedules import ScalarSchedule
 from lightning_mtp.callbacks.weight_schedule import MTPWeightSchedule
 
@@ -51,6 +54,7 @@ __all__ = [
     "MTPDiversityRegularizer",
     "MTPDraftCalibration",
     "MTPWeightSchedule",
+    "SafeCheckpoint",
     "ScalarSchedule",
     "collision_sum",
     "teacher_forced_acceptance",

@@ -1,0 +1,263 @@
+"""``SafeCheckpoint``: a ``ModelCheckpoint`` that never loses a fit's work.
+
+What it adds to Lightning's ``ModelCheckpoint`` (whose arguments it takes, for top-k files too):
+
+- ``last.ckpt`` after every validation and every ``save_every_minutes`` of training, whatever ``save_top_k`` is
+  (Lightning's writes it only next to a top-k file, so ``save_top_k: 0`` wrote it at the end of a fit only);
+- every file is written atomically: to a hidden ``.<name>.partial`` in the same folder, then renamed over the old
+  one, so a kill during a save leaves the previous checkpoint intact (a DeepSpeed checkpoint folder is swapped the
+  same way, the old one kept as ``.<name>.previous`` until the new one is in place, and brought back if a crash left
+  only that);
+- on SIGTERM (a scheduler's preemption, ``kill``) or SIGINT (Ctrl-C) the fit finishes its current batch, saves
+  ``last.ckpt`` and stops with exit status 128 + the signal's number (143, 130); ``--ckpt_path last.ckpt`` then
+  resumes it exactly. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
+- one fit per folder: a lock (:mod:`~lightning_mtp.callbacks.folder_lock`) refuses a second fit into the same folder,
+  naming the process that writes there;
+- a fit that diverged (:class:`~lightning_mtp.finite.TrainingDiverged`) saves nothing: the last good checkpoint stays.
+
+Example::
+
+    trainer = L.Trainer(callbacks=[SafeCheckpoint(dirpath="outputs/run/checkpoints", save_every_minutes=10)])
+
+    # a config (every bundled fit config uses it):
+    #   - class_path: lightning_mtp.callbacks.SafeCheckpoint
+    #     init_args: {dirpath: outputs/run/checkpoints, save_every_minutes: 10}
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+from lightning_mtp.callbacks import folder_lock
+from lightning_mtp.finite import TrainingDiverged
+
+
+class SafeCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` with ``last.ckpt`` kept current, atomic writes, a save on SIGTERM / SIGINT, and one fit
+    per folder (see the module docstring).
+
+    Args:
+        dirpath: the checkpoint folder (default: Lightning's, under the logger's folder).
+        filename: name pattern of top-k files (``ModelCheckpoint``'s).
+        monitor: metric for top-k files; ``None`` with ``save_top_k=0`` keeps ``last.ckpt`` only.
+        save_top_k: how many best files to keep besides ``last.ckpt`` (default 0).
+        save_every_minutes: also write ``last.ckpt`` once this many minutes of training have passed since the last
+            save (``None``: at validations, at the end and on a signal only).
+        enable_version_counter: ``False`` (default) replaces ``last.ckpt`` of an earlier run in the same folder
+            instead of writing ``last-v1.ckpt`` beside it.
+        **kwargs: the other arguments of ``ModelCheckpoint`` (``mode``, ``every_n_train_steps``, ...).
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        save_top_k: int = 0,
+        save_every_minutes: Optional[float] = 30.0,
+        enable_version_counter: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.pop("save_last", True) is not True:
+            raise ValueError("SafeCheckpoint.save_last cannot be changed: keeping last.ckpt current is its purpose "
+                             "(use lightning.pytorch.callbacks.ModelCheckpoint for top-k files only)")
+        if save_every_minutes is not None and (isinstance(save_every_minutes, bool) or not isinstance(
+                save_every_minutes, (int, float)) or not 0 < save_every_minutes < float("inf")):
+            raise ValueError(f"SafeCheckpoint.save_every_minutes must be a number of minutes > 0 or None, "
+                             f"got {save_every_minutes!r}")
+        super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, save_top_k=save_top_k, save_last=True,
+                         enable_version_counter=enable_version_counter, **kwargs)
+        self.save_every_minutes = save_every_minutes
+        self._last_save_time = time.monotonic()
+        self._signal: Optional[int] = None  # SIGINT once Ctrl-C was pressed (SIGTERM is Lightning's received_sigterm)
+        self._previous_sigint: Any = None
+
+    # ----------------------------------------------------------------- one fit per folder
+    def lock_folder(self) -> None:
+        """Take the folder's lock in this process; ``ValueError`` naming the holder when another fit has it. The CLI
+        calls this before it launches the fit (so not even its config is written), ``setup`` on global rank 0."""
+        refusal = self._lock_refusal()
+        if refusal:
+            raise ValueError(refusal)
+
+    def _lock_refusal(self) -> Optional[str]:
+        holder = folder_lock.hold(self.dirpath).refusal if self.dirpath else None
+        if holder is None:
+            return None
+        return (f"another fit is writing checkpoints to {self.dirpath}: {holder}. Wait for it to end, or give this fit "
+                "another folder (--trainer.callbacks.init_args.dirpath, and the logger's --trainer.logger.init_args."
+                "save_dir)")
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        refusal = trainer.strategy.broadcast(self._lock_refusal() if trainer.is_global_zero else None)
+        if refusal:
+            raise ValueError(refusal)  # on every rank alike
+        if trainer.is_global_zero and self.dirpath:
+            _recover_interrupted_swaps(Path(self.dirpath))
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._restore_sigint()
+        if stage == "fit" and trainer.is_global_zero and self.dirpath:
+            folder_lock.release(self.dirpath)
+
+    # ----------------------------------------------------------------- when to save
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_save_time = time.monotonic()
+        self._install_sigint()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        due = (self.save_every_minutes is not None
+               and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes)
+        # Rank 0 decides both: every rank must stop, and take part in a save, at the same batch.
+        due, interrupted = trainer.strategy.broadcast((due, self._signal is not None))
+        if interrupted:
+            raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
+        if due and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        if trainer.strategy.broadcast(self._signal is not None):
+            raise SIGTERMException  # a validation interrupted here is finished when the fit resumes
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        try:
+            self._save_on_exception(trainer, pl_module, exception)
+        finally:
+            self._restore_sigint()
+            if trainer.is_global_zero and self.dirpath:
+                folder_lock.release(self.dirpath)
+
+    def _save_on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, TrainingDiverged):
+            return  # keep the last good checkpoint; nothing of the diverged step is saved
+        super().on_exception(trainer, pl_module, exception)
+        if not isinstance(exception, SIGTERMException):
+            return
+        signum = self._signal or signal.SIGTERM
+        exception.code = 128 + int(signum)  # the exit status of a process stopped by that signal
+        name = signal.Signals(signum).name
+        if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.global_step == 0:
+            _tell(trainer, f"{name}: stopped before any training step; nothing saved")
+            return
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        _tell(trainer, f"{name}: stopped at step {trainer.global_step}; saved {self.last_model_path}. Resume with "
+                       f"--ckpt_path {self.last_model_path}")
+
+    # ----------------------------------------------------------------- Ctrl-C
+    def _install_sigint(self) -> None:
+        """Ctrl-C asks for the clean stop SIGTERM gets: after the current batch, with ``last.ckpt`` saved."""
+        self._signal = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._signal is not None:  # a second Ctrl-C: stop at once, keeping the last checkpoint written
+            self._restore_sigint()
+            raise KeyboardInterrupt
+        self._signal = signum
+        print("lightning-mtp: Ctrl-C: saving last.ckpt after this batch, then stopping (Ctrl-C again stops at once)",
+              file=sys.stderr, flush=True)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    # ----------------------------------------------------------------- how to save
+    @override
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        partial = _hidden_sibling(filepath, "partial")
+        if trainer.is_global_zero:
+            _remove(partial)
+        trainer.strategy.barrier("SafeCheckpoint.partial")
+        trainer.save_checkpoint(partial, self.save_weights_only)  # every rank (DeepSpeed writes shards)
+        if trainer.is_global_zero:
+            _move_into_place(partial, filepath)
+        trainer.strategy.barrier("SafeCheckpoint.replace")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        self._last_save_time = time.monotonic()
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(weakref.proxy(self))
+
+
+def _hidden_sibling(path: str, kind: str) -> str:
+    """``dir/last.ckpt`` -> ``dir/.last.ckpt.partial``: same folder (renames stay atomic), hidden from listings."""
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.{kind}")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _move_into_place(source: str, target: str) -> None:
+    """Rename ``source`` over ``target``: one atomic rename for a file; for a folder (DeepSpeed), the old one is moved
+    aside to ``.<name>.previous`` first and removed once the new one is in place."""
+    if not os.path.isdir(source):
+        os.replace(source, target)
+        return
+    previous = _hidden_sibling(target, "previous")
+    _remove(previous)
+    if os.path.lexists(target):
+        os.replace(target, previous)
+    os.replace(source, target)
+    _remove(previous)
+
+
+def _recover_interrupted_swaps(folder: Path) -> None:
+    """A crash between the two renames of a folder swap leaves ``.<name>.previous`` and no ``<name>``: bring it
+    back; half-written ``.partial`` files are dropped."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(".previous"):
+            target = folder / entry.name[1 : -len(".previous")]
+            if not os.path.lexists(target):
+                os.replace(entry, target)
+        elif entry.name.startswith(".") and entry.name.endswith(".partial"):
+            _remove(str(entry))
+
+
+def _tell(trainer: L.Trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        print(f"lightning-mtp: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,233 @@
+"""``SafeCheckpoint``: a fit that is stopped keeps its work and resumes exactly; saves are atomic; one fit per folder.
+
+Real fits of a tiny ``CausalLM`` on a slice of the standard library (byte tokenizer); real signals sent to the fitting
+process (in this process, and to a ``lightning-mtp fit`` subprocess); real files on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import REPO, cli_refusal, tiny_fit_args
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins import TorchCheckpointIO
+
+from lightning_mtp import MTPConfig
+from lightning_mtp.callbacks import MTPDepthWarmup, MTPDraftCalibration, MTPWeightSchedule, SafeCheckpoint, folder_lock
+from lightning_mtp.data import TextDataModule
+from lightning_mtp.models import CausalLM, ModelConfig
+
+STEPS = 8
+
+
+class SendSignal(Callback):
+    """Sends ``signum`` to this process once: after training step ``step`` (``during="train"``), or before the first
+    batch of the validation that follows it (``during="val"``)."""
+
+    def __init__(self, step: int, signum: int, during: str = "train", times: int = 1) -> None:
+        self.step, self.signum, self.during, self.times = step, signum, during, times
+        self.sent = False
+
+    def _send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.during == "train" and trainer.global_step == self.step:
+            self._send()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.during == "val" and trainer.global_step == self.step and not trainer.sanity_checking:
+            self._send()
+
+
+class SaveLog(Callback):
+    """The global step of every checkpoint written (``on_save_checkpoint`` runs once per file)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.steps.append(trainer.global_step)
+
+
+def fit(folder: Path, cache: Path, *, ckpt_path=None, extra=(), checkpoint=None, plugins=None, **trainer_kwargs):
+    torch.manual_seed(0)
+    datamodule = TextDataModule(
+        tokenizer="byte", seq_len=64, batch_size=8, max_bytes=3_000, val_fraction=0.2, cache_dir=str(cache)
+    )
+    model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64), MTPConfig(depth=2),
+                     learning_rate=3e-3, warmup_steps=3)
+    checkpoint = checkpoint or SafeCheckpoint(dirpath=str(folder / "ckpt"), save_every_minutes=None)
+    saves = SaveLog()
+    callbacks = [MTPDepthWarmup(schedule={0: 1, 5: 2}), MTPWeightSchedule(schedule="linear", start=0.5, end=0.1,
+                 until=STEPS), MTPDraftCalibration(grid_size=5), saves, *extra, checkpoint]
+    settings = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=4, check_val_every_n_epoch=None,
+                    max_steps=STEPS, default_root_dir=folder)
+    settings.update(trainer_kwargs)
+    trainer = L.Trainer(callbacks=callbacks, plugins=plugins, **settings)
+    trainer.fit(model, datamodule, ckpt_path=ckpt_path)
+    return trainer, model, saves
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    trainer, model, saves = fit(folder, folder / "cache")
+    return folder / "cache", model, saves
+
+
+def test_last_checkpoint_is_written_at_every_validation(uninterrupted):
+    _, _, saves = uninterrupted
+    assert saves.steps == [4, 8]  # val_check_interval 4 (ModelCheckpoint with save_top_k 0 wrote only the last)
+
+
+def test_last_checkpoint_is_written_every_interval(tmp_path, uninterrupted):
+    cache = uninterrupted[0]
+    every_step = SafeCheckpoint(dirpath=str(tmp_path / "ckpt"), save_every_minutes=1e-9)
+    _, _, saves = fit(tmp_path, cache, checkpoint=every_step, limit_val_batches=0, max_steps=3)
+    assert saves.steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("signum, during, status", [
+    (signal.SIGTERM, "train", 143),
+    (signal.SIGINT, "train", 130),
+    (signal.SIGTERM, "val", 143),
+])
+def test_a_signal_saves_last_and_the_resumed_fit_equals_the_uninterrupted(tmp_path, uninterrupted, signum, during,
+                                                                          status):
+    cache, reference, _ = uninterrupted
+    stop_at = 5 if during == "train" else 4
+    with pytest.raises(SystemExit) as stopped:
+        fit(tmp_path, cache, extra=[SendSignal(stop_at, signum, during)])
+    assert stopped.value.code == status
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == stop_at
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C means Ctrl-C again
+
+    _, resumed, _ = fit(tmp_path, cache, ckpt_path=str(last))
+    assert_same_weights(reference, resumed)
+    assert resumed.mtp_draft_temperatures == pytest.approx(reference.mtp_draft_temperatures, abs=1e-9)
+
+
+def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path, uninterrupted):
+    cache = uninterrupted[0]
+    with pytest.raises(SystemExit) as stopped:
+        fit(tmp_path, cache, extra=[SendSignal(5, signal.SIGINT, times=2)])
+    assert stopped.value.code == 1  # Lightning's KeyboardInterrupt exit: nothing saved at step 5
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+class FailingWrite(TorchCheckpointIO):
+    """Writes half of a checkpoint and dies: a kill in the middle of a save."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        super().save_checkpoint(checkpoint, path, storage_options)
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])
+        raise RuntimeError("killed while writing")
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, uninterrupted):
+    cache = uninterrupted[0]
+    fit(tmp_path, cache, max_steps=4)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = last.read_bytes()
+    with pytest.raises(RuntimeError, match="killed while writing"):
+        fit(tmp_path, cache, ckpt_path=str(last), plugins=[FailingWrite()])
+    assert last.read_bytes() == before
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+    _, _, saves = fit(tmp_path, cache, ckpt_path=str(last))  # the next fit clears the half-written file
+    assert saves.steps == [8] and not list((tmp_path / "ckpt").glob(".*partial"))
+
+
+def test_a_deepspeed_style_checkpoint_folder_is_swapped_whole(tmp_path):
+    from lightning_mtp.callbacks.safe_checkpoint import _move_into_place, _recover_interrupted_swaps
+
+    target, partial = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.partial"
+    for folder, text in ((target, "old"), (partial, "new")):
+        folder.mkdir()
+        (folder / "shard").write_text(text)
+    _move_into_place(str(partial), str(target))
+    assert (target / "shard").read_text() == "new" and not partial.exists()
+    assert not (tmp_path / ".last.ckpt.previous").exists()
+    # a crash between the two renames leaves only .previous: the next fit brings it back
+    os.replace(target, tmp_path / ".last.ckpt.previous")
+    _recover_interrupted_swaps(tmp_path)
+    assert (target / "shard").read_text() == "new"
+
+
+# ------------------------------------------------------------------------------ a real process, killed
+def _cli(workdir: Path, *extra: str) -> list[str]:
+    return tiny_fit_args(workdir, "--trainer.val_check_interval", "5", "--data.init_args.tokenizer", "byte",
+                         "--model.init_args.model.vocab_size", "258", *extra)
+
+
+def test_a_killed_fit_resumes_exactly_and_a_second_fit_into_its_folder_is_refused(tmp_path, capsys):
+    """``lightning-mtp fit`` in a subprocess; a second fit into its folder is refused while it runs; SIGTERM saves
+    last.ckpt and exits 143; ``--ckpt_path`` resumes it to the end, equal to an uninterrupted fit."""
+    from lightning_mtp.cli import main
+
+    steps = ("--trainer.max_steps", "60")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+               TOKENIZERS_PARALLELISM="false")
+    # one thread, as this process (conftest): the same sums in the same order, so the runs can agree to 1e-6
+    code = ("import torch; torch.set_num_threads(1); from lightning_mtp.cli import main; "
+            f"main({_cli(tmp_path / 'killed', *steps)!r})")
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        first_save = tmp_path / "killed" / "ckpt" / "last.ckpt"
+        deadline = time.monotonic() + 120
+        while not first_save.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first_save.exists(), process.stderr.read() if process.poll() is not None else "no checkpoint in 120 s"
+
+        process.send_signal(signal.SIGSTOP)  # paused mid-fit, holding its folder, while a second fit tries it
+        err = cli_refusal(_cli(tmp_path / "second", *steps, "--trainer.callbacks.init_args.dirpath",
+                               str(tmp_path / "killed" / "ckpt")), capsys)
+        assert "another fit is writing checkpoints" in err and f"process {process.pid}" in err
+        assert not (tmp_path / "second").exists()  # refused before writing anything of its own
+
+        process.send_signal(signal.SIGCONT)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    assert "Resume with --ckpt_path" in stderr
+    stopped_at = torch.load(first_save, weights_only=True)["global_step"]
+    assert 5 <= stopped_at < 60
+
+    main(_cli(tmp_path / "killed", *steps, "--ckpt_path", str(first_save)))
+    main(_cli(tmp_path / "whole", *steps))
+    resumed = torch.load(first_save, weights_only=True)
+    whole = torch.load(tmp_path / "whole" / "ckpt" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == whole["global_step"] == 60
+    for name, value in whole["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_the_folder_lock_is_released_with_its_process(tmp_path):
+    holder = subprocess.run([sys.executable, "-c", "import sys; from lightning_mtp.callbacks import folder_lock; "
+                             f"assert folder_lock.hold({str(tmp_path)!r}).refusal is None"],
+                            env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+    assert holder.returncode == 0
+    assert folder_lock.hold(tmp_path).refusal is None  # its process ended: nothing stale blocks this one
+    folder_lock.release(tmp_path)
