@@ -30,8 +30,9 @@ from typing import Any, Optional
 import lightning as L
 import yaml
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 # Imported for their classes: jsonargparse resolves a short class name (``--model.help CausalLM``,
 # ``class_path: MTPDepthWarmup``) among the subclasses that are imported when it parses.
@@ -41,10 +42,12 @@ import lightning_mtp.decoding  # noqa: F401
 import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_export
+from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help
+from lightning_mtp.finite import TrainingDiverged, check_finite_state_dict
 
 EVALUATING = ("predict", "validate", "test")
 WEIGHT_SOURCES = ("init_from", "pretrained", "mtp_heads")
@@ -57,10 +60,17 @@ OPTIMIZATION = (
     "optimizer in configure_optimizers)"
 )
 """Why ``--optimizer`` / ``--lr_scheduler`` are refused, and what to set instead."""
+EXPORT_HELP = ("and export: write a checkpoint's native MTP layers as a transformers folder, lightning-mtp export "
+               "--ckpt_path CKPT --out DIR (see lightning-mtp export --help)")
 
 
 class MTPLightningCLI(LightningCLI):
     """LightningCLI whose model and data are chosen by ``class_path`` in the config (any MTP host, any data)."""
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        parser.epilog = EXPORT_HELP
+        return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for action in parser._actions:  # LightningCLI's own --config: say that it takes the bundled names too
@@ -101,6 +111,8 @@ class MTPLightningCLI(LightningCLI):
         self._tokenizer_record: Optional[dict] = None
         if ckpt_path:
             checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
+            if subcommand == "predict":
+                check_finite_state_dict(checkpoint.get("state_dict") or {}, f"--ckpt_path {ckpt_path}")
             self._apply_checkpoint(subcommand, checkpoint, current, given, resuming=subcommand == "fit")
         elif init_from and subcommand == "fit":
             checkpoint = read_checkpoint(init_from, "--model.init_args.init_from")
@@ -127,8 +139,11 @@ class MTPLightningCLI(LightningCLI):
             )
             raise ValueError(ckpt_rules.describe_conflicts(found, "the checkpoint", advice))
         plain = {k: v for k, v in hparams.items() if k not in ckpt_rules.MODEL_KEYS_NOT_FROM_CHECKPOINT}
-        if plain:
-            class_path = hparams.get("_class_path") or self.config[subcommand].model.class_path
+        recorded = ckpt_rules.recorded_model_class(checkpoint)
+        class_path = recorded or self.config[subcommand].model.class_path
+        if recorded is None:
+            ckpt_rules.refuse_other_model_class(checkpoint, class_path, "--ckpt_path")
+        if plain or class_path != self.config[subcommand].model.class_path:
             update = {subcommand: {"model": {"class_path": class_path, "init_args": plain}}}
             self.config = self.parser.parse_object(update, self.config)
         defaults = ckpt_rules.RESUME_DATA_SETTINGS if resuming else ckpt_rules.EVAL_DATA_SETTINGS
@@ -174,6 +189,43 @@ class MTPLightningCLI(LightningCLI):
             from lightning_mtp.data.tokenizers import tokenizer_from_spec
 
             self.datamodule.use_tokenizer(tokenizer_from_spec(record))
+        self._apply_generation_settings()
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The trainer; only ``fit`` saves its config (``predict`` writes nothing outside its output folder), and
+        ``--trainer.enable_checkpointing false`` drops the config's checkpoint callbacks rather than clash with them."""
+        if self.subcommand != "fit":
+            self.save_config_callback = None
+        settings = self._get(self.config_init, "trainer", default={})
+        callbacks = settings.get("callbacks")
+        if settings.get("enable_checkpointing") is False and callbacks:  # asked for no checkpoints: the config's go
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            settings["callbacks"] = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        return super().instantiate_trainer(**kwargs)
+
+    def _apply_generation_settings(self) -> None:
+        """Generation settings (a config's ``model.init_args.generation`` block, ``--model.init_args.generation.*``
+        flags) for a module whose class takes no ``generation`` argument: jsonargparse drops them when the model class
+        changes (a checkpoint's own module, ``--model``), so they are read from the arguments and set on the module
+        (``mtp_generate_kwargs``, what ``predict_step`` decodes with)."""
+        class_path = self.config[self.subcommand].model.get("class_path") if self.subcommand else None
+        parameters = ckpt_rules.init_parameters(class_path) if class_path else None
+        if parameters is None or "generation" in parameters:
+            return
+        values = ckpt_rules.given_values(self._raw_args, ckpt_rules.config_files(self._raw_args), "model.generation")
+        if values:
+            from lightning_mtp.decoding import GenerationConfig
+
+            self.model.mtp_generate_kwargs = GenerationConfig(**values).to_kwargs()
+
+    def before_fit(self) -> None:
+        """Take the checkpoint folders' locks before the fit starts (and before its config or logs are written):
+        a second fit into the same folder is refused (:class:`~lightning_mtp.callbacks.SafeCheckpoint`)."""
+        if rank_zero_only.rank != 0:
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, SafeCheckpoint):
+                callback.lock_folder()
 
 
 # --------------------------------------------------------------------- bundled configs
@@ -222,11 +274,17 @@ def main(args: Optional[list[str]] = None) -> None:
             auto_configure_optimizers=False,
             parser_class=ShortErrorParser,
         )
+    except TrainingDiverged as error:
+        if os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+            raise
+        fail(str(error), status=1)
     except Exception as error:
         message = user_error(error)
         if message is None or os.environ.get("LIGHTNING_MTP_TRACEBACK"):
             raise
         fail(message)
+    finally:
+        folder_lock.release_all()  # the fit's checkpoint folders, also when it was refused before it started
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -123,3 +123,118 @@ def data_settings(record: Optional[Mapping[str, Any]], names: Iterable[str]) -> 
     """The checkpoint's data settings ``names`` (from its tokenizer record), flattened under ``data.``."""
     settings = (record or {}).get("data") or {}
     return {f"data.{name}": settings[name] for name in names if name in settings}
+
+
+def given_values(args: list[str], files: Iterable[Any], section: str) -> dict[str, Any]:
+    """The values set for ``section`` (``model.generation``) in ``--config`` files, then flags (the later wins), as a
+    nested dict; flag values are read as YAML, as the parser reads them.
+
+    Example::
+
+        >>> given_values(["--model.init_args.generation.max_new_tokens", "12", "--model.generation.speculative=false"],
+        ...              [], "model.generation")
+        {'max_new_tokens': 12, 'speculative': False}
+    """
+    found: dict[str, Any] = {}
+    for path in files:
+        text = Path(str(path)).read_text(encoding="utf-8") if Path(str(path)).is_file() else str(path)
+        content = yaml.safe_load(text)
+        if isinstance(content, Mapping):
+            for key, value in flatten(content).items():
+                _take(found, key, value, section)
+    for i, token in enumerate(args):
+        if not token.startswith("--"):
+            continue
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        _take(found, normalise(key), yaml.safe_load(value), section)
+    return found
+
+
+def _take(found: dict[str, Any], key: str, value: Any, section: str) -> None:
+    if key == section and isinstance(value, Mapping):
+        found.update(value)
+    elif key.startswith(section + "."):
+        found[key[len(section) + 1:]] = value
+
+
+KNOWN_MODEL_CLASSES = ("lightning_mtp.models.CausalLM", "lightning_mtp.models.HFCausalLM")
+"""The bundled model classes, recognised by their init arguments in checkpoints that do not name their class."""
+
+
+def init_parameters(class_path: str) -> Optional[set[str]]:
+    """Names of ``class_path``'s init arguments; ``None`` when it cannot be imported or takes ``**kwargs``."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.name != "self"}
+
+
+def recorded_model_class(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """The class ``checkpoint`` says it holds: as the CLI recorded it (``_class_path``) or the mixin
+    (``checkpoint["mtp"]["module_class"]``); ``None`` when neither did."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    recorded = hparams.get("_class_path") or (checkpoint.get("mtp") or {}).get("module_class")
+    if recorded and "<" in recorded:
+        return None  # a class defined inside a function: no path imports it
+    if recorded and init_parameters(recorded) is None and not _importable(recorded):
+        raise ValueError(f"the checkpoint holds a {recorded.rpartition('.')[2]} ({recorded}), which cannot be "
+                         "imported here: put its module on PYTHONPATH (or install it) and run again")
+    return recorded
+
+
+def _importable(class_path: str) -> bool:
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+def checkpoint_model_class(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """The class whose weights ``checkpoint`` holds: as the CLI recorded it (``_class_path``), as the mixin recorded
+    it (``checkpoint["mtp"]["module_class"]``), or the bundled class whose init arguments its hyper-parameters are;
+    ``None`` when unknown."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    recorded = recorded_model_class(checkpoint)
+    if recorded:
+        return recorded
+    keys = set(hparams) - set(MODEL_KEYS_NOT_FROM_CHECKPOINT)
+    if not keys:
+        return None
+    for class_path in KNOWN_MODEL_CLASSES:
+        parameters = init_parameters(class_path)
+        if parameters is not None and keys <= parameters:
+            return class_path
+    return None
+
+
+def refuse_other_model_class(checkpoint: Mapping[str, Any], class_path: str, source: str) -> None:
+    """Raise ``ValueError`` when ``checkpoint`` does not name its class and its hyper-parameters are not init
+    arguments of ``class_path`` (the configured model): say which class it holds and how to select it."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    parameters = init_parameters(class_path)
+    stray = sorted(set(hparams) - set(MODEL_KEYS_NOT_FROM_CHECKPOINT) - (parameters or set()))
+    if parameters is None or not stray:
+        return
+    holder = checkpoint_model_class(checkpoint)
+    name = class_path.rpartition(".")[2]
+    what = f"holds a {holder.rpartition('.')[2]} ({holder})" if holder else "holds another model class"
+    select = f"--model {holder}" if holder else "--model path.to.YourModule"
+    raise ValueError(
+        f"{source} {what}, not a {name}: its settings {stray[:4]} are not {name}'s. Select its class with {select} "
+        "(on the command line, after --config)"
+    )

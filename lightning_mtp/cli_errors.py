@@ -77,9 +77,10 @@ class ShortErrorParser(LightningArgumentParser):
         fail(f"{condense_parse_error(message)}\n(run '{prog} --help' for the accepted options)")
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, status: int = 2) -> NoReturn:
+    """Print ``lightning-mtp: error: message`` and exit with ``status`` (2: bad input; 1: the run failed)."""
     print(f"lightning-mtp: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def user_error(error: BaseException) -> Optional[str]:

@@ -88,3 +88,14 @@ def tiny_checkpoint(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("trained")
     main(tiny_fit_args(workdir, "--model.init_args.mtp.depth", "2"))
     return workdir, workdir / "ckpt" / "last.ckpt"
+
+
+def save_checkpoint(module, path) -> str:
+    """``module``'s checkpoint as a plain ``Trainer`` writes it (no ``_class_path`` in its hyper-parameters)."""
+    import lightning as L
+
+    trainer = L.Trainer(max_steps=0, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(path.parent))
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(path)
+    return str(path)

@@ -1,15 +1,21 @@
 """A catalogue of bad input, through the CLI and the Python API, as a new user would give it.
 
 Each case asserts the refusal (exit status 2 with one short message, or the exception) and that the message names
-the field or flag to fix. Nothing here trains beyond a few steps of a tiny model.
+the field or flag to fix, or that nothing is lost or silently wrong (previous outputs kept, nothing written outside
+the output folder, settings applied). Nothing here trains beyond a few steps of a tiny model. The units behind these
+cases have tests of their own: ``test_data_input_errors.py`` (prompts files and lengths, corpora), ``test_export_cli``
+(export folders), ``test_divergence.py`` and ``test_safe_checkpoint.py`` (diverged, killed and concurrent fits).
 """
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import pytest
 import torch
-from conftest import cli_refusal, tiny_fit_args, tiny_predict_args
+from conftest import cli_refusal, save_checkpoint, tiny_fit_args, tiny_model, tiny_predict_args
+from test_mixin import GRUTrunkHost
 from torch import nn
 
 from lightning_mtp import MTPConfig, MTPMixin
@@ -184,3 +190,257 @@ def test_python_api_errors_name_the_field():
 
     with pytest.raises(ValueError, match=r"MTPDiversityRegularizer\.name"):
         MTPDiversityRegularizer(name="not valid")
+
+
+# ------------------------------------------------------------------------------------------ prompts
+LATIN1_PROMPTS = "def main():\nimport os\n# café au lait\n".encode("latin-1")  # 0xe9 at line 3
+
+
+@pytest.mark.parametrize("kind", ["non-utf8", "folder", "blank"])
+def test_cli_refuses_bad_prompts_files_in_one_line(tiny_checkpoint, tmp_path, capsys, kind):
+    workdir, ckpt = tiny_checkpoint
+    path = tmp_path / ("prompts" if kind == "folder" else "prompts.txt")
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(LATIN1_PROMPTS if kind == "non-utf8" else b"\n \n")
+    err = cli_refusal(tiny_predict_args(workdir, ckpt, "--data.init_args.predict_prompts", str(path)), capsys)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("lightning-mtp: error: --data.predict_prompts: "), err
+    expected = {"non-utf8": "is not UTF-8 text: line 3", "folder": "is a folder", "blank": "has no (non-blank) prompts"}
+    assert expected[kind] in line, err
+
+
+def test_cli_refuses_a_prompts_folder_before_training(tmp_path, capsys):
+    err = cli_refusal(tiny_fit_args(tmp_path, "--data.init_args.predict_prompts", str(tmp_path)), capsys)
+    assert "--data.predict_prompts: " in err and "is a folder" in err, err
+
+
+def test_a_prompt_too_long_for_the_context_names_its_line(tiny_checkpoint, tmp_path, capsys):
+    workdir, ckpt = tiny_checkpoint
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f():\n\n" + "x = 1\\n" * 40 + "\n", encoding="utf-8")  # line 3: ~200 tokens
+    err = cli_refusal(tiny_predict_args(workdir, ckpt, "--data.init_args.predict_prompts", str(prompts)), capsys)
+    assert "line 3" in err and str(prompts) in err and "--model.init_args.generation.max_new_tokens" in err, err
+
+
+# ------------------------------------------------------------------------------------------ predict outputs
+def test_a_refused_predict_leaves_the_previous_outputs_untouched(tiny_checkpoint, tmp_path, capsys):
+    workdir, ckpt = tiny_checkpoint
+    from lightning_mtp.cli import main
+
+    main(tiny_predict_args(tmp_path, ckpt))
+    outputs = tmp_path / "predictions"
+    before = {p.name: p.read_bytes() for p in outputs.iterdir()}
+    assert set(before) == {"generations.jsonl", "stats.json"} and before["generations.jsonl"]
+    cli_refusal(tiny_predict_args(tmp_path, ckpt, "--model.init_args.generation.max_new_tokens", "60"), capsys)
+    assert {p.name: p.read_bytes() for p in outputs.iterdir()} == before  # no partial file left either
+
+
+def test_predict_writes_nothing_outside_its_output_folder(tiny_checkpoint, tmp_path, monkeypatch):
+    workdir, ckpt = tiny_checkpoint
+    from lightning_mtp.cli import main
+
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "config.yaml").write_text("mine\n")
+    monkeypatch.chdir(here)
+    main(tiny_predict_args(tmp_path, ckpt, "--trainer.callbacks.init_args.output_dir", str(tmp_path / "out")))
+    assert sorted(p.name for p in here.iterdir()) == ["config.yaml"] and (here / "config.yaml").read_text() == "mine\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["generations.jsonl", "stats.json"]
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tiny_checkpoint, tmp_path, capsys):
+    workdir, ckpt = tiny_checkpoint
+    (tmp_path / "taken").write_text("x")
+    err = cli_refusal(tiny_predict_args(tmp_path, ckpt, "--trainer.callbacks.init_args.output_dir",
+                                        str(tmp_path / "taken")), capsys)
+    assert "--trainer.callbacks.init_args.output_dir" in err and "is a file" in err
+
+
+# ------------------------------------------------------------------------------------------ generation settings
+class OwnLM(GRUTrunkHost):
+    """A module of one's own, as the README writes one: no ``generation`` argument."""
+
+    def __init__(self, vocab: int = 300, dim: int = 32):
+        super().__init__(vocab, dim)
+        self.save_hyperparameters()
+
+
+@pytest.fixture(scope="module")
+def own_checkpoint(tmp_path_factory):
+    from lightning_mtp.cli import main
+
+    workdir = tmp_path_factory.mktemp("own")
+    main(tiny_fit_args(workdir, "--model", "test_bad_input.OwnLM", "--trainer.max_steps", "2"))
+    return workdir / "ckpt" / "last.ckpt"
+
+
+def test_generation_settings_apply_to_a_module_of_ones_own(own_checkpoint, tmp_path):
+    import json
+
+    from lightning_mtp.cli import main
+
+    main(tiny_predict_args(tmp_path, own_checkpoint, "--model.init_args.generation.max_new_tokens", "5",
+                           "--model.init_args.generation.speculative", "true"))
+    rows = [json.loads(line) for line in (tmp_path / "predictions" / "generations.jsonl").read_text().splitlines()]
+    stats = json.loads((tmp_path / "predictions" / "stats.json").read_text())
+    assert rows and all(len(row["tokens"]) == 5 for row in rows)  # predict.yaml's 128 overridden, not 64 either
+    assert stats["generation"]["max_new_tokens"] == 5 and stats["generation"]["speculative"] is True
+
+
+# ------------------------------------------------------------------------------------------ generate()
+@pytest.mark.parametrize("name", ["eos_token_id", "pad_token_id"])
+def test_special_ids_outside_the_vocabulary_are_refused(make_tiny_model, name):
+    model = make_tiny_model(depth=2)
+    with pytest.raises(ValueError, match=rf"{name} .*--model.generation.{name}\) is 61, outside the model's "
+                                         r"vocabulary of 61 ids"):
+        model.generate(torch.tensor([[1, 2, 3]]), 4, **{name: 61})
+
+
+# ------------------------------------------------------------------------------------------ checkpoints of other models
+def without_class_record(path: str) -> str:
+    """The checkpoint as lightning-mtp wrote it before checkpoints named their module class."""
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["mtp"].pop("module_class", None)
+    torch.save(checkpoint, path)
+    return path
+
+
+def tiny_hf_model():
+    from lightning_mtp.models import HFCausalLM
+
+    return HFCausalLM("llama", dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4), mtp=MTPConfig(depth=2))
+
+
+def test_a_transformers_host_checkpoint_given_to_the_bundled_model_names_its_class(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    ckpt = without_class_record(save_checkpoint(tiny_hf_model(), tmp_path / "hf.ckpt"))
+    err = cli_refusal(tiny_predict_args(tmp_path, ckpt, "--random_weights", "false"), capsys)
+    assert "holds a HFCausalLM" in err and "--model lightning_mtp.models.HFCausalLM" in err, err
+    assert "is not accepted" not in err
+
+
+def test_the_bundled_models_checkpoint_given_to_a_module_of_ones_own_names_its_class(tmp_path, capsys):
+    ckpt = without_class_record(save_checkpoint(CausalLM(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4)),
+                                                tmp_path / "causal.ckpt"))
+    err = cli_refusal(tiny_predict_args(tmp_path, ckpt, "--model", "test_bad_input.OwnLM"), capsys)
+    assert "holds a CausalLM" in err and "--model lightning_mtp.models.CausalLM" in err, err
+
+
+def test_a_checkpoint_naming_its_class_is_read_with_it(tmp_path):
+    """Checkpoints record their module class: predict.yaml's CausalLM yields to the HFCausalLM a checkpoint holds."""
+    pytest.importorskip("transformers")
+    from lightning_mtp.cli import main
+
+    ckpt = save_checkpoint(tiny_hf_model(), tmp_path / "hf.ckpt")
+    assert torch.load(ckpt, weights_only=True)["mtp"]["module_class"].endswith("HFCausalLM")
+    main(tiny_predict_args(tmp_path, ckpt, "--data.init_args.tokenizer", "byte",
+                           "--data.init_args.max_bytes", "20000"))
+    assert (tmp_path / "predictions" / "generations.jsonl").read_text()
+
+
+def test_a_module_of_ones_own_checkpoint_given_to_the_bundled_model_says_so(tmp_path, capsys):
+    """Weights of another class are refused naming it (they were refused as 'trained with another model width')."""
+    ckpt = save_checkpoint(OwnLM(), tmp_path / "own.ckpt")
+    with pytest.raises(ValueError, match=r"the checkpoint's weights are not CausalLM's: it holds weights CausalLM has "
+                                         r"not \(embed\.weight|head\.weight|trunk.*written by a test_bad_input\.OwnLM"):
+        CausalLM.load_from_checkpoint(ckpt, weights_only=True)
+    checkpoint = torch.load(ckpt, weights_only=True)  # as written before checkpoints named their class
+    del checkpoint["mtp"]["module_class"], checkpoint["hyper_parameters"]
+    torch.save(checkpoint, ckpt)
+    err = cli_refusal(tiny_predict_args(tmp_path, ckpt, "--data.init_args.tokenizer", "byte",
+                                        "--data.init_args.max_bytes", "20000"), capsys)
+    assert "the checkpoint's weights are not CausalLM's" in err and "--model path.to.TheClass" in err, err
+
+
+# ------------------------------------------------------------------------------------------ export
+def export_args(ckpt, out, *extra: str) -> list[str]:
+    return ["export", "--ckpt_path", str(ckpt), "--out", str(out), *extra]
+
+
+def unusable_out(tmp_path, case: str):
+    (tmp_path / "a_file").write_text("x")
+    if case == "file":
+        return tmp_path / "a_file"
+    if case == "under a file":
+        return tmp_path / "a_file" / "deeper" / "out"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked / "out"
+
+
+@pytest.mark.parametrize("case", ["file", "under a file", "not writable"])
+def test_an_unusable_out_is_refused_in_one_line_before_the_checkpoint_is_read(tmp_path, case, capsys, monkeypatch):
+    out = unusable_out(tmp_path, case)
+    if case == "not writable" and os.geteuid() == 0:  # root may write anywhere: deny it as the kernel would a user
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(out.parent) and access(path, mode))
+    err = cli_refusal(export_args(tmp_path / "missing.ckpt", out), capsys)  # --out is checked first
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--out" in err and str(out) in err and "--ckpt_path" not in err, err
+
+
+class OwnModule(L.LightningModule):
+    """A user's module whose hyper-parameters share a name (``config``) with ``HFCausalLM``'s."""
+
+    def __init__(self, config: dict = None, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, width)
+
+
+def other_checkpoint(tmp_path, kind: str) -> str:
+    if kind == "own module":
+        return save_checkpoint(OwnModule(), tmp_path / "own.ckpt")
+    path = save_checkpoint(tiny_model(depth=2), tmp_path / "causal.ckpt")
+    if kind == "CausalLM via the CLI":  # what lightning-mtp fit records
+        checkpoint = torch.load(path, weights_only=True)
+        checkpoint["hyper_parameters"]["_class_path"] = "lightning_mtp.models.CausalLM"
+        torch.save(checkpoint, path)
+    return path
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("CausalLM via a Trainer", "a CausalLM"), ("CausalLM via the CLI", "a CausalLM"),
+    ("own module", "hyper-parameters config, width")])
+def test_a_model_without_a_transformers_layout_is_refused_naming_what_exports(tmp_path, kind, named, capsys):
+    ckpt = other_checkpoint(tmp_path, kind)
+    err = cli_refusal(export_args(ckpt, tmp_path / "out"), capsys)
+    assert len(err.strip().splitlines()) == 1, err
+    assert named in err, err
+    for part in ("HFCausalLM", "--model.mtp.layout native", "glm4_moe", "save_mtp_heads"):
+        assert part in err, (part, err)
+    assert "--model.init_args.model_type" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+
+
+# ------------------------------------------------------------------------------------------ training batches
+@pytest.mark.parametrize("batch, named", [
+    ({"ids": torch.zeros(2, 8, dtype=torch.long)}, "a dict with 'input_ids'"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 7, dtype=torch.long)},
+     "labels must have input_ids' shape (2, 8), got (2, 7)"),
+    ({"input_ids": torch.full((2, 8), 61)}, "input_ids range over [61, 61], outside the model's vocabulary [0, 61)"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.full((2, 8), 99)},
+     "labels (other than ignore_index -100) range over [99, 99]"),
+    ({"input_ids": torch.zeros(2, 8)}, "integer token ids"),
+], ids=["no input_ids", "labels shape", "ids", "labels", "float ids"])
+def test_bad_training_batches_are_named(make_tiny_model, tmp_path, batch, named):
+    model = make_tiny_model(depth=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(model, torch.utils.data.DataLoader([batch], batch_size=None))
+    assert named in str(refused.value)
+
+
+# ------------------------------------------------------------------------------------------ the command line
+def test_the_top_level_help_lists_export(capsys):
+    from lightning_mtp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "lightning-mtp export --ckpt_path" in " ".join(capsys.readouterr().out.split())

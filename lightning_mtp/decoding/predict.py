@@ -12,6 +12,7 @@ Example (``configs/predict.yaml``)::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -83,6 +84,9 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
 class PredictionWriter(BasePredictionWriter):
     """Writes ``generations.jsonl`` (one line per prompt) and ``stats.json`` (decoding stats of the run).
 
+    Both are written to hidden ``.<name>.partial`` files in ``output_dir`` and moved into place when the run ends
+    well: a run that fails or is stopped leaves the previous run's outputs untouched (and removes its partial files).
+
     Args:
         output_dir: directory for the files (created). Under several processes the files get a ``.rank<N>`` suffix.
 
@@ -92,9 +96,14 @@ class PredictionWriter(BasePredictionWriter):
         trainer.predict(model, datamodule=dm, return_predictions=False)
     """
 
+    FILES = ("generations.jsonl", "stats.json")
+
     def __init__(self, output_dir: str = "predictions") -> None:
         super().__init__(write_interval="batch")
         self.output_dir = Path(output_dir)
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ValueError(f"PredictionWriter.output_dir (--trainer.callbacks.init_args.output_dir) "
+                             f"{str(output_dir)!r} is a file: give a folder for generations.jsonl and stats.json")
         self._stats: list[DecodeStats] = []
         self._rows = 0
 
@@ -103,9 +112,17 @@ class PredictionWriter(BasePredictionWriter):
         stem, ext = name.rsplit(".", 1)
         return self.output_dir / f"{stem}{suffix}.{ext}"
 
+    def _partial(self, trainer: L.Trainer, name: str) -> Path:
+        final = self._path(trainer, name)
+        return final.with_name(f".{final.name}.partial")
+
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._path(trainer, "generations.jsonl").write_text("", encoding="utf-8")
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"PredictionWriter.output_dir (--trainer.callbacks.init_args.output_dir) "
+                             f"{str(self.output_dir)!r} cannot be created: {error.strerror or error}") from None
+        self._partial(trainer, "generations.jsonl").write_text("", encoding="utf-8")
         self._stats, self._rows = [], 0
 
     def write_on_batch_end(
@@ -120,7 +137,7 @@ class PredictionWriter(BasePredictionWriter):
     ) -> None:
         prompts = prediction.get("prompt_text") or [None] * len(prediction["tokens"])
         texts = prediction.get("texts") or [None] * len(prediction["tokens"])
-        with self._path(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
+        with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
             for prompt, text, tokens in zip(prompts, texts, prediction["tokens"]):
                 record = {"index": self._rows, "prompt": prompt, "completion": text, "tokens": tokens}
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -131,4 +148,10 @@ class PredictionWriter(BasePredictionWriter):
         summary = DecodeStats.combine(self._stats)
         summary["generation"] = dict(getattr(pl_module, "mtp_generate_kwargs", {}) or {})
         summary["tau_counts_bonus_token"] = True
-        self._path(trainer, "stats.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        self._partial(trainer, "stats.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        for name in self.FILES:  # generations first: a reader of stats.json finds its generations in place
+            os.replace(self._partial(trainer, name), self._path(trainer, name))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        for name in self.FILES:
+            self._partial(trainer, name).unlink(missing_ok=True)
