@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -55,23 +55,30 @@ def check_exportable(module: nn.Module) -> None:
         raise ValueError(
             f"{type(trunk).__name__} (model_type {trunk.config.model_type!r}) has no native MTP layers in transformers "
             "(its config has no num_nextn_predict_layers): generate(use_mtp=True) could not run exported MTP layers. "
-            "Save the MTP heads with save_mtp_heads() instead"
+            "Save the MTP heads alone with save_mtp_heads(path) instead, or train a family that has native MTP layers "
+            "(e.g. glm4_moe, deepseek_v3)"
         )
     if cfg.layout != "native" or cfg.architecture != "cascaded":
         raise ValueError(
             f"{name} has MTPConfig.layout={cfg.layout!r}, architecture={cfg.architecture!r}; transformers runs only "
             "native cascaded MTP layers (post-norm chaining, the model's own decoder layer as the block). Train with "
-            "--model.mtp.layout native to export, or save the heads with save_mtp_heads()"
+            "--model.mtp.layout native to export, or save the MTP heads alone with save_mtp_heads(path)"
         )
 
 
 @torch.no_grad()
-def export_native(module: nn.Module, folder: str, serving_copies: bool = True, **save_kwargs: Any) -> list[str]:
+def export_native(module: nn.Module, folder: str, serving_copies: bool = True, *, shown_as: Optional[str] = None,
+                  **save_kwargs: Any) -> list[str]:
     """Write ``module`` (an ``HFCausalLM`` with native-layout MTP modules) as a ``transformers`` folder; returns the
     checkpoint keys written for the MTP layers. ``serving_copies`` adds each layer's copies of the trunk's embedding
     and head (``embed_tokens.weight``, ``shared_head.head.weight``: what vLLM loads). ``save_kwargs`` go to the trunk's
     ``save_pretrained`` (``max_shard_size``, ...); in a sharded folder the MTP layers are one more shard,
-    ``model-mtp.safetensors``."""
+    ``model-mtp.safetensors``. ``shown_as``: the folder's name in messages (``lightning-mtp export`` writes to a
+    temporary folder that then takes ``--out``'s place).
+
+    Weights of an earlier save in ``folder`` (``model.safetensors``, its index, ``model-mtp.safetensors``) are removed
+    first: the trunk's ``save_pretrained`` removes stale numbered shards only, and an old index beside a new single
+    file (or an old single file beside a new index) would make ``transformers`` load the wrong weights."""
     check_exportable(module)
     trunk = module.trunk
     modules = module.require_mtp_modules()
@@ -87,17 +94,26 @@ def export_native(module: nn.Module, folder: str, serving_copies: bool = True, *
     saved = config.num_mtp_layers
     config.num_mtp_layers = len(modules)  # written as num_nextn_predict_layers (the config's attribute_map)
     try:
+        _remove_earlier_weights(folder)
         trunk.save_pretrained(folder, **save_kwargs)
     finally:
         config.num_mtp_layers = saved
     _add_tensors(folder, tensors)
     if not finds_mtp_layers(trunk, len(modules)):
         rank_zero_info(
-            f"{folder}: {type(trunk).__name__} finds MTP layers only at the layer numbers of its released checkpoints "
-            f"(_keys_to_ignore_on_load_unexpected), not at {trunk_layers}: after from_pretrained, call "
+            f"{shown_as or folder}: {type(trunk).__name__} finds MTP layers only at the layer numbers of its released "
+            f"checkpoints (_keys_to_ignore_on_load_unexpected), not at {trunk_layers}: after from_pretrained, call "
             "lightning_mtp.native.register_mtp_patterns(model) before generate(use_mtp=True)"
         )
     return sorted(tensors)
+
+
+def _remove_earlier_weights(folder: str) -> None:
+    """Remove the weight files a previous export to ``folder`` may have left that this one might not rewrite."""
+    for name in (SINGLE_FILE, INDEX_FILE, MTP_SHARD):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def _add_tensors(folder: str, tensors: dict[str, Tensor]) -> None:
