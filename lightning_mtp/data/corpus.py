@@ -176,14 +176,98 @@ def cap_bytes(files: Sequence[Path], max_bytes: Optional[int] = None) -> dict[Pa
     return budget
 
 
+UNDECODABLE_WARN_SHARE = 0.01
+"""Share of the tokenized corpus characters that stand for undecodable bytes (U+FFFD put in by decoding) above which
+tokenizing warns. Lower flags corpora of UTF-8 text with a few stray Latin-1 bytes, which cost the model little;
+higher lets more binary or wrongly encoded files (whose replacement characters the model learns to predict) pass
+unnoticed."""
+
+_REPLACEMENT = "\ufffd"
+_REPLACEMENT_UTF8 = _REPLACEMENT.encode("utf-8")
+
+
+def decode_utf8(data: bytes, final: bool = True) -> tuple[str, int]:
+    """``data`` decoded as UTF-8 with undecodable bytes replaced by U+FFFD, and how many U+FFFD decoding put in (the
+    ones already in the text are not counted). ``final=False`` drops a multi-byte character cut off at the end.
+
+    Example::
+
+        >>> decode_utf8("caf\u00e9 \ufffd".encode("latin-1", errors="ignore") + "\ufffd".encode())
+        ('caf\ufffd \ufffd', 1)
+    """
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=final)
+    return text, max(text.count(_REPLACEMENT) - data.count(_REPLACEMENT_UTF8), 0)
+
+
+def _read_bytes(path: Path, stop: Optional[int], start: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return fh.read() if stop is None else fh.read(max(stop - start, 0))
+
+
 def read_text(path: Path, stop: Optional[int] = None, start: int = 0) -> str:
     """The text of bytes ``[start, stop)`` of a file (``stop=None``: to the end), decoded as UTF-8 with undecodable
     bytes replaced. A multi-byte character cut by ``stop`` is dropped rather than replaced."""
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        data = fh.read() if stop is None else fh.read(max(stop - start, 0))
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    return decoder.decode(data, final=stop is None)
+    return decode_utf8(_read_bytes(path, stop, start), final=stop is None)[0]
+
+
+class UndecodableTally:
+    """Counts, per file, the characters read and the U+FFFD that stand for undecodable bytes, and words the warning
+    when their share of the whole is above ``UNDECODABLE_WARN_SHARE``.
+
+    Example::
+
+        >>> tally = UndecodableTally()
+        >>> tally.add(Path("/c/a.py"), chars=1000, replaced=0)
+        >>> tally.add(Path("/c/logo.png"), chars=100, replaced=60)
+        >>> round(tally.share(), 3)
+        0.055
+        >>> tally.warning(root=Path("/c"))  # doctest: +ELLIPSIS
+        '--data.corpus: 5.5% of the corpus characters are U+FFFD ... (worst: logo.png 60.0%): those files are not ...'
+    """
+
+    def __init__(self) -> None:
+        self.chars: dict[Path, int] = {}
+        self.replaced: dict[Path, int] = {}
+
+    def add(self, path: Path, chars: int, replaced: int) -> None:
+        """Record a file (or a span of one) of ``chars`` characters, ``replaced`` of them U+FFFD from decoding."""
+        self.chars[path] = self.chars.get(path, 0) + chars
+        self.replaced[path] = self.replaced.get(path, 0) + replaced
+
+    def share(self) -> float:
+        """The replaced characters' share of all characters (0 for no characters)."""
+        total = sum(self.chars.values())
+        return sum(self.replaced.values()) / total if total else 0.0
+
+    def worst(self, count: int = 3) -> list[tuple[Path, float]]:
+        """Up to ``count`` files with replaced characters and their own shares, highest share first."""
+        shares = [(path, self.replaced[path] / self.chars[path]) for path in self.chars if self.replaced[path]]
+        return sorted(shares, key=lambda item: (-item[1], str(item[0])))[:count]
+
+    def warning(self, root: Optional[Path] = None) -> Optional[str]:
+        """The one-line warning when the share is above ``UNDECODABLE_WARN_SHARE``, else ``None``; file names are
+        relative to ``root`` when inside it."""
+        share = self.share()
+        if share <= UNDECODABLE_WARN_SHARE:
+            return None
+        worst = ", ".join(f"{_shown(path, root)} {file_share:.1%}" for path, file_share in self.worst())
+        files = sum(1 for count in self.replaced.values() if count)
+        return (
+            f"{CORPUS_FLAG}: {share:.1%} of the corpus characters are U+FFFD standing for bytes that are not UTF-8, in "
+            f"{files} file(s) (worst: {worst}): those files are not UTF-8 text (binary files or another encoding) and "
+            "the model would learn to predict replacement characters; select text files only (--data.suffixes for "
+            "a directory, a narrower --data.corpus glob pattern) or convert the files to UTF-8"
+        )
+
+
+def _shown(path: Path, root: Optional[Path]) -> str:
+    if root is not None:
+        try:
+            return Path(path).relative_to(root).as_posix()
+        except ValueError:
+            pass
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -206,6 +290,10 @@ class FileSpan:
     def read(self) -> str:
         """The span's text (see ``read_text``)."""
         return read_text(self.path, self.stop, self.start)
+
+    def read_counted(self) -> tuple[str, int]:
+        """The span's text (the same as ``read``) and how many U+FFFD decoding put in for undecodable bytes."""
+        return decode_utf8(_read_bytes(self.path, self.stop, self.start), final=False)
 
 
 def as_span(item: Union[Path, str, FileSpan]) -> FileSpan:

@@ -31,18 +31,26 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import (
     FileSpan,
+    UndecodableTally,
     check_corpus,
     corpus_root,
     find_corpus_files,
     plan_splits,
 )
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
-from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
+from lightning_mtp.data.prompts import (
+    PROMPTS_FLAG,
+    PromptCollator,
+    PromptDataset,
+    check_prompts_path,
+    read_numbered_prompts,
+)
 from lightning_mtp.data.tokenizers import (
     TOKENIZER_KINDS,
     BPETokenizer,
@@ -71,6 +79,15 @@ def _check_int(field: str, value: Any, least: int) -> None:
         raise _fail(field, f"must be an integer >= {least}, got {value!r}")
 
 
+def _read_tallied(spans: Sequence[FileSpan], tally: UndecodableTally) -> list[str]:
+    texts = []
+    for span in spans:
+        text, replaced = span.read_counted()
+        tally.add(span.path, len(text), replaced)
+        texts.append(text)
+    return texts
+
+
 def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
     """Encode documents and join them with ``tokenizer.eos_id`` between them, as one 1-D array of ids.
 
@@ -93,6 +110,11 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray
 
 class TextDataModule(L.LightningDataModule):
     """A text corpus as windows of ``seq_len`` token ids: ``{"input_ids": LongTensor[B, seq_len]}`` batches.
+
+    For ``predict``, ``setup("predict")`` reads and tokenizes the prompts (``predict_dataset``); the LightningModule
+    can then refuse a prompt that leaves no room to generate with ``check_prompts_fit(max_prompt_tokens, why)``
+    from its own ``setup`` hook (Lightning runs the datamodule's ``setup`` first). Tokenizing the corpus warns when
+    many of its bytes are not UTF-8 (``corpus.UNDECODABLE_WARN_SHARE``).
 
     Args:
         corpus: a directory, glob pattern or file; ``None`` uses the Python standard library's sources.
@@ -146,8 +168,8 @@ class TextDataModule(L.LightningDataModule):
         if isinstance(suffixes, str):
             raise _fail("suffixes", f"must be a list of file endings such as ['.py'], got the string {suffixes!r}")
         check_corpus(corpus)
-        if predict_prompts is not None and not Path(predict_prompts).is_file():
-            raise _fail("predict_prompts", f"file {predict_prompts!r} does not exist")
+        if predict_prompts is not None:
+            check_prompts_path(predict_prompts)
         self.save_hyperparameters()
 
         self.corpus = corpus
@@ -172,6 +194,7 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset: Optional[TokenWindowDataset] = None
         self.train_tokens: Optional[np.ndarray] = None
         self.val_tokens: Optional[np.ndarray] = None
+        self.predict_dataset: Optional[PromptDataset] = None
         self._train_loader: Optional[ResumableDataLoader] = None
         self._train_loader_state: Optional[dict[str, int]] = None
 
@@ -272,10 +295,14 @@ class TextDataModule(L.LightningDataModule):
         tokenizer = self.load_tokenizer()
         out.mkdir(parents=True, exist_ok=True)
         counts = {}
+        tally = UndecodableTally()
         for split, spans in (("train", train), ("val", val)):
-            ids = tokenize_documents([span.read() for span in spans], tokenizer)
+            ids = tokenize_documents(_read_tallied(spans, tally), tokenizer)
             atomic_write(out / f"{split}.npy", lambda fh, ids=ids: np.save(fh, ids))
             counts[split] = {"files": len(spans), "bytes": sum(s.nbytes for s in spans), "tokens": int(ids.size)}
+        warning = tally.warning(corpus_root(self.corpus))
+        if warning is not None:
+            rank_zero_warn(warning)
         meta = {
             "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
             "corpus": self.corpus,
@@ -291,7 +318,16 @@ class TextDataModule(L.LightningDataModule):
         return out
 
     def setup(self, stage: Optional[str] = None) -> None:
-        """Load the cached ids (preparing them first if needed) and build the window datasets."""
+        """Load the cached ids (preparing them first if needed) and build the window datasets; for ``"predict"`` also
+        read and tokenize the prompts (``predict_dataset``; a prompts file is read first, so its errors come before
+        the corpus is tokenized)."""
+        if stage == "predict" and self.predict_prompts is not None:
+            self.prompt_dataset()
+        self._setup_windows()
+        if stage == "predict":
+            self.prompt_dataset()
+
+    def _setup_windows(self) -> None:
         if self.train_dataset is not None:
             return
         out = self._token_dir or self._prepare()
@@ -361,16 +397,53 @@ class TextDataModule(L.LightningDataModule):
 
     def prompt_dataset(self) -> PromptDataset:
         """Prompts from ``--data.predict_prompts``, or the first ``prompt_tokens`` of the first
-        ``num_predict_prompts`` held-out windows."""
+        ``num_predict_prompts`` held-out windows; read and tokenized once (``setup("predict")`` or first use)."""
+        if self.predict_dataset is None:
+            self.predict_dataset = self._read_prompts()
+        return self.predict_dataset
+
+    def _read_prompts(self) -> PromptDataset:
         tokenizer = self.load_tokenizer()
         if self.predict_prompts is not None:
-            texts = read_prompts_file(self.predict_prompts)
-            return PromptDataset(tokenizer.encode_batch(texts), texts)
-        self.setup("predict")
+            lines, texts = zip(*read_numbered_prompts(self.predict_prompts))
+            return PromptDataset(tokenizer.encode_batch(list(texts)), texts, lines)
+        self._setup_windows()
         count = min(self.num_predict_prompts, len(self.val_dataset))
         length = min(self.prompt_tokens, self.seq_len)
         prompts = [self.val_dataset[i]["input_ids"][:length].tolist() for i in range(count)]
         return PromptDataset(prompts, [tokenizer.decode(p) for p in prompts])
+
+    def check_prompts_fit(self, max_prompt_tokens: int, why: str) -> None:
+        """Refuse a prompt longer than ``max_prompt_tokens`` tokens, naming where it comes from.
+
+        Call it after ``setup("predict")`` (the prompts are tokenized there and not again); before, it reads them.
+        ``why`` says where the limit comes from, e.g. ``"the model's context of 256 tokens
+        (--model.init_args.model.max_seq_len) minus --model.init_args.generation.max_new_tokens 128"``.
+
+        Raises:
+            ValueError: naming ``--data.predict_prompts``, the file, the line (from 1) of the first prompt that is
+                too long and its token count; or ``--data.prompt_tokens`` for prompts cut from held-out windows.
+        """
+        if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int):
+            raise TypeError(f"check_prompts_fit: max_prompt_tokens must be an int, got {max_prompt_tokens!r}")
+        dataset = self.prompt_dataset()
+        too_long = dataset.too_long(max_prompt_tokens)
+        if not too_long:
+            return
+        first = too_long[0]
+        tokens = len(dataset.prompts[first])
+        limit = f"more than the {max_prompt_tokens} token(s) a prompt may have: {why}"
+        if dataset.lines is None:
+            raise ValueError(
+                f"--data.prompt_tokens: the held-out prompts are {tokens} tokens long (--data.prompt_tokens "
+                f"{self.prompt_tokens}, --data.seq_len {self.seq_len}), {limit}; lower --data.prompt_tokens to at most "
+                f"{max_prompt_tokens}, or lower --model.init_args.generation.max_new_tokens"
+            )
+        others = f" (the first of {len(too_long)} too long)" if len(too_long) > 1 else ""
+        raise ValueError(
+            f"{PROMPTS_FLAG}: the prompt on line {dataset.lines[first]} of {self.predict_prompts!r} is {tokens} tokens "
+            f"long{others}, {limit}; shorten that prompt, or lower --model.init_args.generation.max_new_tokens"
+        )
 
     def predict_dataloader(self) -> DataLoader:
         """Batches ``{"input_ids": LongTensor[B, L] right-padded with pad_id, "lengths": LongTensor[B],

@@ -6,20 +6,39 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 
 class PromptDataset(Dataset):
-    """Tokenized prompts for ``predict``: items ``{"input_ids": LongTensor[L_i], "prompt_text": str}``."""
+    """Tokenized prompts for ``predict``: items ``{"input_ids": LongTensor[L_i], "prompt_text": str}``.
 
-    def __init__(self, prompts: Sequence[Sequence[int]], texts: Sequence[str]) -> None:
+    ``lines`` holds each prompt's line number (from 1) in the prompts file it was read from; ``None`` when the prompts
+    did not come from a file (held-out windows).
+
+    Example::
+
+        >>> ds = PromptDataset([[5, 6, 7], [8]], ["a", "b"], lines=[2, 5])
+        >>> ds.too_long(2), ds.lines[ds.too_long(2)[0]]
+        ([0], 2)
+    """
+
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], texts: Sequence[str], lines: Optional[Sequence[int]] = None
+    ) -> None:
         if len(prompts) != len(texts):
             raise ValueError(f"PromptDataset: {len(prompts)} prompts but {len(texts)} texts")
+        if lines is not None and len(lines) != len(texts):
+            raise ValueError(f"PromptDataset: {len(texts)} prompts but {len(lines)} line numbers")
         self.prompts = [list(p) for p in prompts]
         self.texts = list(texts)
+        self.lines = None if lines is None else list(lines)
+
+    def too_long(self, max_tokens: int) -> list[int]:
+        """Indices of the prompts of more than ``max_tokens`` tokens, in order."""
+        return [i for i, prompt in enumerate(self.prompts) if len(prompt) > max_tokens]
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -54,40 +73,107 @@ class PromptCollator:
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
+PROMPTS_FLAG = "--data.predict_prompts"
+
+PROMPT_SUFFIXES = (".txt", ".jsonl")
+"""The prompts file formats ``read_prompts_file`` reads."""
+
 
 def _unescape(line: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], line)
 
 
-def read_prompts_file(path: str) -> list[str]:
-    """Prompts from a ``.txt`` file (one per line; ``\\n``, ``\\t`` and ``\\\\`` escapes decoded) or a ``.jsonl``
-    file (one ``{"prompt": "..."}`` per line). Blank lines are skipped.
+def check_prompts_path(path: str) -> None:
+    """Fail fast (before any reading) when ``--data.predict_prompts`` is not a ``.txt`` / ``.jsonl`` file.
 
     Raises:
-        ValueError: naming ``--data.predict_prompts`` when the file is missing, malformed or has no prompts.
+        ValueError: naming ``--data.predict_prompts`` when the path is missing, a folder or has another suffix.
+
+    Example::
+
+        >>> import tempfile
+        >>> check_prompts_path(tempfile.mkdtemp())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --data.predict_prompts: '...' is a folder, not a file; give a .txt or .jsonl prompts file ...
     """
-    flag = "--data.predict_prompts"
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(
+            f"{PROMPTS_FLAG}: {path!r} is a folder, not a file; give a .txt or .jsonl prompts file (one prompt a line)"
+        )
     if not file.is_file():
-        raise ValueError(f"{flag}: prompts file {path!r} does not exist")
-    suffix = file.suffix.lower()
-    if suffix not in (".txt", ".jsonl"):
-        raise ValueError(f"{flag}: prompts file {path!r} must end in .txt or .jsonl")
+        raise ValueError(f"{PROMPTS_FLAG}: prompts file {path!r} does not exist")
+    if file.suffix.lower() not in PROMPT_SUFFIXES:
+        raise ValueError(f"{PROMPTS_FLAG}: prompts file {path!r} must end in .txt or .jsonl")
+
+
+def decode_prompts_file(data: bytes, path: str) -> str:
+    """``data`` decoded as UTF-8, a leading byte order mark dropped.
+
+    Raises:
+        ValueError: naming ``--data.predict_prompts``, the file, and the line and byte of the first undecodable byte.
+
+    Example::
+
+        >>> decode_prompts_file("ok\\ncaf\\u00e9 au lait\\n".encode("latin-1"), "p.txt")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --data.predict_prompts: prompts file 'p.txt' is not UTF-8 text: line 2 has byte 0xe9 ...
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"{PROMPTS_FLAG}: prompts file {path!r} is not UTF-8 text: line {line} has byte 0x{data[err.start]:02x} "
+            f"(byte {err.start - line_start + 1} of the line, offset {err.start} in the file) that UTF-8 cannot "
+            "decode; save the file as UTF-8 (Latin-1 text converts with: iconv -f latin1 -t utf-8 FILE > NEW_FILE)"
+        ) from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def read_numbered_prompts(path: str) -> list[tuple[int, str]]:
+    """``(line number, prompt)`` pairs of a ``.txt`` file (one prompt per line; ``\\n``, ``\\t`` and ``\\\\``
+    escapes decoded) or a ``.jsonl`` file (one ``{"prompt": "..."}`` per line). Lines are split at ``\\n`` (a
+    trailing ``\\r`` dropped) and numbered from 1 as in an editor; blank lines (and blank prompts) are skipped.
+
+    Raises:
+        ValueError: naming ``--data.predict_prompts`` when the file is missing, a folder, not UTF-8, malformed or has
+            no prompts.
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "prompts.txt"
+        >>> _ = path.write_text("def f():\\\\n\\n\\nimport os\\r\\n", encoding="utf-8")
+        >>> read_numbered_prompts(str(path))
+        [(1, 'def f():\\n'), (3, 'import os')]
+    """
+    check_prompts_path(path)
+    jsonl = Path(path).suffix.lower() == ".jsonl"
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(decode_prompts_file(Path(path).read_bytes(), path).split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
-        if suffix == ".txt":
-            prompts.append(_unescape(line))
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{flag}: {path}:{number} is not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f'{flag}: {path}:{number} must be an object with a string "prompt", got {line[:80]!r}')
-        if record["prompt"].strip():
-            prompts.append(record["prompt"])
+        prompt = _jsonl_prompt(line, path, number) if jsonl else _unescape(line)
+        if prompt.strip():
+            prompts.append((number, prompt))
     if not prompts:
-        raise ValueError(f"{flag}: prompts file {path!r} has no (non-blank) prompts")
+        raise ValueError(f"{PROMPTS_FLAG}: prompts file {path!r} has no (non-blank) prompts; write one prompt a line")
     return prompts
+
+
+def _jsonl_prompt(line: str, path: str, number: int) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{PROMPTS_FLAG}: {path}:{number} is not valid JSON ({err.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt", got {line[:80]!r}')
+    return record["prompt"]
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of a ``.txt`` or ``.jsonl`` file, without their line numbers (see ``read_numbered_prompts``)."""
+    return [prompt for _, prompt in read_numbered_prompts(path)]
