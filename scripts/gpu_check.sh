@@ -8,9 +8,9 @@
 #   kernel_tests    tests/test_kernels_*.py and tests/test_tree_verify_kernel.py compiled, without Triton's interpreter
 #                   (the `gpu` tests included; a GPU test skipped for want of CUDA fails the step)
 #   ce_bench        the fused linear cross-entropy: time and peak memory of the Triton kernel, its torch twin,
-#                   Liger-Kernel and Cut Cross-Entropy (when installed), and the no-grad gate (benchmarks/kernels.py)
+#                   Liger-Kernel and Cut Cross-Entropy (when installed), and the no-grad gate (benchmarks/triton_kernels.py)
 #   verify_bench    the speculative-verification kernels against their twins: chain (verify_drafts) and draft tree
-#                   (verify_tree), with "triton == torch" per pass (benchmarks/kernels.py)
+#                   (verify_tree), with "triton == torch" per pass (benchmarks/triton_kernels.py)
 #   compile_decode  compile=True decoding on CUDA: plain, speculative and adaptive, each eager and compiled; the
 #                   greedy outputs must all equal eager plain decoding
 #   zero3_fit       two fit steps of configs/deepspeed_zero3.yaml under the stock deepspeed_stage_3 strategy on one GPU
@@ -152,11 +152,11 @@ PY
 step_ce_bench() {
   # 16384 rows (4096 positions x 4 heads) of hidden 4096 against vocab 128256 in bf16 (the script's GPU defaults,
   # a quarter of its default token count to fit the time box).
-  "$PY" benchmarks/kernels.py --skip-verify --tokens 4096 --depths 3 --out "$1/result.json"
+  "$PY" benchmarks/triton_kernels.py --skip-verify --tokens 4096 --depths 3 --out "$1/result.json"
 }
 
 step_verify_bench() {
-  "$PY" benchmarks/kernels.py --skip-ce --skip-gate --backends triton,torch --out "$1/result.json"
+  "$PY" benchmarks/triton_kernels.py --skip-ce --skip-gate --backends triton,torch --out "$1/result.json"
 }
 
 step_compile_decode() {

@@ -79,7 +79,7 @@ def commands() -> str:
 
 def test_referenced_files_inline_programs_and_helpers_exist():
     paths = set(re.findall(r"(?:benchmarks|configs|tests)/[\w*.-]+\.(?:py|yaml)", TEXT))
-    assert {"benchmarks/kernels.py", "benchmarks/decode.py", "configs/deepspeed_zero3.yaml"} <= paths
+    assert {"benchmarks/triton_kernels.py", "benchmarks/decode.py", "configs/deepspeed_zero3.yaml"} <= paths
     for path in paths:
         assert list(ROOT.glob(path)), f"{path} does not exist"
     programs = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", TEXT, re.S)
@@ -100,7 +100,7 @@ def test_benchmarks_accept_the_flags_the_script_passes():
     for line in commands().splitlines():
         for name, rest in re.findall(r"(benchmarks/\w+\.py)(.*)", line):
             flags.setdefault(name, set()).update(re.findall(r"\s(--[a-z][\w-]*)", rest))
-    assert set(flags) == {"benchmarks/kernels.py", "benchmarks/decode.py"}
+    assert set(flags) == {"benchmarks/triton_kernels.py", "benchmarks/decode.py"}
     procs = {
         name: subprocess.Popen([sys.executable, name, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

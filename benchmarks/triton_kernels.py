@@ -31,10 +31,10 @@ CPU times do.
 
 Usage::
 
-    python benchmarks/kernels.py                      # GPU if present, else the CPU smoke test (< 2 min)
-    python benchmarks/kernels.py --out benchmarks/results/kernels.json --tokens 16384 --depths 3
-    python benchmarks/kernels.py --skip-ce --skip-gate --skip-chain   # the tree-verify rows alone
-    python benchmarks/kernels.py --backends torch --skip-ce --skip-verify --tokens 512 --hidden 256 --vocab 8192 \
+    python benchmarks/triton_kernels.py                      # GPU if present, else the CPU smoke test (< 2 min)
+    python benchmarks/triton_kernels.py --out benchmarks/results/kernels.json --tokens 16384 --depths 3
+    python benchmarks/triton_kernels.py --skip-ce --skip-gate --skip-chain   # the tree-verify rows alone
+    python benchmarks/triton_kernels.py --backends torch --skip-ce --skip-verify --tokens 512 --hidden 256 --vocab 8192 \
         --reps 9 --threads 1 --append                 # + the twin's no-grad gate on CPU at 2048 rows
 """
 
@@ -58,6 +58,7 @@ if not ON_GPU:  # must happen before anything imports triton (lightning_mtp.kern
     os.environ["TRITON_INTERPRET"] = "1"
 
 from memory import PeakMemory  # noqa: E402
+from report import provenance  # noqa: E402
 
 from lightning_mtp.kernels import (  # noqa: E402
     linear_cross_entropy_torch,
@@ -456,6 +457,8 @@ def main() -> None:
         bench_verify(rows)
     if not ARGS.skip_verify and not ARGS.skip_tree:
         bench_verify_tree(rows)
+    meta = provenance(__file__, device=DEVICE_NAME)  # this run's command line and machine, on each of its rows
+    rows = [{**row, **meta} for row in rows]
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if ARGS.append and out.exists():
