@@ -65,6 +65,7 @@ from decode_costs import (  # noqa: E402
     weight_bytes,
 )
 from decode_report import TARGETS, best_per_decoder, check_targets, plot  # noqa: E402, F401 (TARGETS: tests)
+from report import provenance  # noqa: E402
 
 from lightning_mtp.decoding import GenerationConfig, generate  # noqa: E402
 from lightning_mtp.decoding.stats import DecodeStats  # noqa: E402
@@ -381,6 +382,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         best[f"batch {batch}"] = {k: top[k] for k in ("decoder", "policy", "tree", "nodes", "draft_tokens",
                                                       "speedup")}
     summary = {
+        **provenance(__file__, argv),  # the command line and the machine
         "checkpoint": str(ckpt),
         "training": training,
         "threads": torch.get_num_threads(),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +28,9 @@ from lightning_mtp import MTPConfig
 from lightning_mtp.callbacks import MTPCouplingMonitor
 from lightning_mtp.data import TextDataModule
 from lightning_mtp.models import CausalLM, ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import provenance  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -89,7 +92,7 @@ def main() -> None:
         "config": vars(args),
         "data": {"train_tokens": int(len(datamodule.train_tokens)), "val_tokens": int(len(datamodule.val_tokens)),
                  "vocab_size": datamodule.vocab_size, "prepare_seconds": round(prepare, 1)},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads},
+        "machine": provenance(__file__)["machine"],
         "before": runs[0],
         "after": runs[1],
         "acceptance": {k: {"before": runs[0]["metrics"][k], "after": runs[1]["metrics"][k]} for k in keys},

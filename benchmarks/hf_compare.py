@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_costs import AutoChoices, auto_memory  # noqa: E402
+from report import provenance  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
 from lightning_mtp.data import TextDataModule  # noqa: E402
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         targets[name] = {"target": 1.0, "measured": auto[key], "met": auto[key] >= 1.0}
         print(f"{'MET   ' if auto[key] >= 1.0 else 'MISSED'} {name}: {auto[key]:.2f} (target >= 1.0)")
     result = {
+        **provenance(__file__, argv),  # the command line and the machine
         "setup": {**vars(args), "out": str(args.out), "model_dir": args.model_dir and str(args.model_dir),
                   "model": llama, "torch_threads": torch.get_num_threads(), "tokens_per_decoder_run": tokens,
                   "batch_size": 1,

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_costs import AutoChoices, auto_memory  # noqa: E402
 from hf_compare import fit, prompts_from  # noqa: E402
+from report import provenance  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
 from lightning_mtp.data import TextDataModule  # noqa: E402
@@ -377,14 +378,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     hf_logging.disable_progress_bar()  # use_mtp loads its MTP layers at every call, each with a bar
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            return run(args, Path(scratch))
+            return run(args, Path(scratch), argv)
     finally:
         torch.set_num_threads(threads)
         if bars:
             hf_logging.enable_progress_bar()
 
 
-def run(args: argparse.Namespace, scratch: Path) -> dict:
+def run(args: argparse.Namespace, scratch: Path, argv: Optional[list[str]] = None) -> dict:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -439,7 +440,8 @@ def run(args: argparse.Namespace, scratch: Path) -> dict:
                   "untimed warm-up call each (auto calibrates there)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     })
-    result = {"setup": setup, "notes": NOTES, "rows": rows, "auto_memory": auto_memory(ours)}
+    result = {**provenance(__file__, argv), "setup": setup, "notes": NOTES, "rows": rows,
+              "auto_memory": auto_memory(ours)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")

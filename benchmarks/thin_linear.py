@@ -25,6 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import provenance  # noqa: E402
 
 from lightning_mtp.layers import Linear, mlp_hidden_size  # noqa: E402
 from lightning_mtp.small_matmul import ENV, THIN_ROWS  # noqa: E402
@@ -82,8 +85,9 @@ def main() -> None:
         print(f"{m:>5} {plain:12.2f} {thin:8.2f} {auto:17.2f}", flush=True)
     os.environ.pop(ENV, None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": args.threads, "dim": args.dim, "layers": args.layers,
-                                    "vocab": args.vocab, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({**provenance(__file__), "threads": args.threads, "dim": args.dim,
+                                    "layers": args.layers, "vocab": args.vocab, "repeats": args.repeats,
+                                    "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 

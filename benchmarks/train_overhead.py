@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, bytes_in_use  # noqa: E402
+from report import provenance  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
 from lightning_mtp.flops import CPU_FLASH, CountedFlops, training_step_flops  # noqa: E402
@@ -153,7 +154,8 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings["attention_model"] = (f"CPU flash: keys in blocks of {CPU_FLASH.key_block}, "
                                    f"{CPU_FLASH.backward_products} products in backward")
-    out.write_text(json.dumps({"settings": settings, "target": target, "baseline": base, "rows": rows}, indent=2))
+    out.write_text(json.dumps({**provenance(__file__), "settings": settings, "target": target, "baseline": base,
+                               "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -34,8 +34,8 @@ Usage::
     python benchmarks/triton_kernels.py                      # GPU if present, else the CPU smoke test (< 2 min)
     python benchmarks/triton_kernels.py --out benchmarks/results/kernels.json --tokens 16384 --depths 3
     python benchmarks/triton_kernels.py --skip-ce --skip-gate --skip-chain   # the tree-verify rows alone
-    python benchmarks/triton_kernels.py --backends torch --skip-ce --skip-verify --tokens 512 --hidden 256 --vocab 8192 \
-        --reps 9 --threads 1 --append                 # + the twin's no-grad gate on CPU at 2048 rows
+    python benchmarks/triton_kernels.py --backends torch --skip-ce --skip-verify --tokens 512 --hidden 256 \
+        --vocab 8192 --reps 9 --threads 1 --append    # + the twin's no-grad gate on CPU at 2048 rows
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +46,9 @@ from lightning_mtp import MTPConfig
 from lightning_mtp.callbacks import MTPCouplingMonitor, MTPDraftCalibration
 from lightning_mtp.data import TextDataModule
 from lightning_mtp.models import CausalLM, ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import provenance  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.yaml"
 VARIANTS = ("none", "shared", "rerun")
@@ -177,8 +180,8 @@ def main() -> None:
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("runs", {})[label] = {
+        **provenance(__file__),  # this run's command line and machine
         "settings": settings,
-        "machine": platform.processor() or platform.machine(),
         "shares_forward": hasattr(MTPCouplingMonitor, "share_forward"),  # False: code from before the change
         "variants": rows,
     }

@@ -1,0 +1,77 @@
+"""``docs/results.md`` is written by ``benchmarks/report.py`` from ``benchmarks/results/*.json``: the committed page
+is exactly what the script writes, ``--check`` fails with a diff on a stale page, a renderer turns a small
+hand-written result into its table, and a JSON file no renderer knows still gets a section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("benchmarks_report", os.path.join(REPO, "benchmarks", "report.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+THIN_LINEAR = {"threads": 2, "dim": 64, "layers": 2, "vocab": 128, "rows": [
+    {"rows": 4, "f_linear_ms": 1.5, "thin_ms": 1.0, "auto_ms": 1.02, "thin_speedup": 1.5, "auto_vs_best": 1.02},
+    {"rows": 1, "f_linear_ms": 1.0, "thin_ms": 2.0, "auto_ms": 1.0, "thin_speedup": 0.5, "auto_vs_best": 1.0},
+]}
+
+
+def test_committed_page_is_what_the_script_writes():
+    run = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, f"docs/results.md is stale: run `python benchmarks/report.py`\n{run.stdout}"
+    page = open(os.path.join(REPO, "docs", "results.md"), encoding="utf-8").read()
+    assert "python benchmarks/report.py" in page.splitlines()[0] and "Do not edit" in page.splitlines()[0]
+
+
+def test_thin_linear_renderer_on_a_hand_written_result(report):
+    lines = report.render_thin_linear(report.Source("thin_linear.json", THIN_LINEAR))
+    assert "| 1 | 1.00 | 2.00 | 1.00 | 0.50× | 1.00 |" in lines  # sorted by rows, fixed decimals
+    assert lines.index("| 1 | 1.00 | 2.00 | 1.00 | 0.50× | 1.00 |") < lines.index(
+        "| 4 | 1.50 | 1.00 | 1.02 | 1.50× | 1.02 |")
+    text = "\n".join(lines)
+    assert "not recorded in the JSON (the project's 2-core CPU development machine); recorded: 2 torch threads" in text
+    assert "`python benchmarks/thin_linear.py --threads 2 --dim 64 --layers 2 --vocab 128 --rows 4 1` (rebuilt" in text
+
+    recorded = {**THIN_LINEAR, "command": "python benchmarks/thin_linear.py --threads 2",
+                "machine": {"platform": "Linux-x", "cpus": 8, "torch": "2.0", "torch_threads": 2, "device": "cpu"}}
+    text = "\n".join(report.render_thin_linear(report.Source("thin_linear.json", recorded)))
+    assert "- **Machine:** Linux-x; 8 CPUs; torch 2.0; 2 torch threads; device cpu" in text
+    assert "- **Command:** `python benchmarks/thin_linear.py --threads 2` (recorded in the JSON)" in text
+
+
+def test_check_reports_a_stale_page_and_unknown_files_get_a_section(report, tmp_path, capsys):
+    results, page = tmp_path / "results", tmp_path / "results.md"
+    results.mkdir()
+    (results / "thin_linear.json").write_text(json.dumps(THIN_LINEAR))
+    (results / "new_bench.json").write_text(json.dumps({"rows": [1, 2], "speed": 3.0}))
+    page.write_text("stale\n")
+    assert report.main(["--check", "--results", str(results), "--out", str(page)]) == 1
+    assert "-stale" in capsys.readouterr().out  # a unified diff
+    assert page.read_text() == "stale\n"  # --check writes nothing
+    assert report.main(["--results", str(results), "--out", str(page)]) == 0
+    assert report.main(["--check", "--results", str(results), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert text == report.render_page(results)  # deterministic
+    assert "## Small matrix products on CPU" in text and "## Not rendered: new_bench.json" in text
+    assert "- `rows`: list of 2" in text and "- `speed`: float" in text
+
+
+def test_provenance_records_the_command_and_the_machine(report):
+    meta = report.provenance("/somewhere/benchmarks/thin_linear.py", ["--threads", "2", "--out", "a b.json"])
+    assert meta["command"] == "python benchmarks/thin_linear.py --threads 2 --out 'a b.json'"
+    assert {"platform", "cpus", "torch", "torch_threads", "device"} <= set(meta["machine"])
