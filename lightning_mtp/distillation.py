@@ -5,7 +5,8 @@ when it matches the data. The term
 
     distill = β · mean_k [ (1/|M_k|) Σ_{i ∈ M_k} KL( stop-grad(p_main(·|i+k)) ‖ p_k(·|i) ) ]
 
-(β = ``module.mtp_distill_weight``, k over the active depths, M_k the positions whose target t(i+k+1) is scored)
+(β = ``module.mtp_distill_weight``, k over the active depths, M_k the positions whose target t(i+k+1) is scored: its
+label is not ``ignore_index`` and, in a packed batch, it lies in i's document, so the teacher at i+k does too)
 pulls depth k toward the main model's distribution (Medusa-2 trains its heads with self-distillation too). The
 teacher runs under ``no_grad``: neither the trunk nor the head learns from it. Under ``MTPConfig.detach_trunk`` the
 student side does not move a head shared with the trunk either (:func:`~lightning_mtp.callbacks._base.loss_head`).
@@ -68,7 +69,8 @@ def depth_kl_sum(
     length = student.shape[1]
     with torch.no_grad():
         teacher = main_hidden(module, fwd)[:, depth : depth + length]  # main at i+k, (B, L, H)
-    mask = fwd.labels[:, depth + 1 : depth + 1 + length] != module.mtp_config.ignore_index  # t(i+k+1) scored
+    ignore = module.mtp_config.ignore_index
+    mask = fwd.targets(depth, length, ignore) != ignore  # (B, L): t(i+k+1) scored, in i's document
     # Every row goes through the heads, masked ones weighted 0: the number of head calls depends on the batch shape
     # only, as DeepSpeed ZeRO-3 needs (each call gathers the head's weight on every rank).
     hidden = student.shape[-1]

@@ -150,12 +150,15 @@ class _RecomputedDepth(torch.autograd.Function):
     and one head group, is alive at a time: this working set sits on top of every trunk activation (the trunk's
     backward waits for all depths), so it is what recompute's peak memory is made of. Parameters are inputs of the
     function and their gradients are returned, so ``torch.autograd.grad`` works; backward runs once (x is consumed).
+    With packed documents the attention mask (B, 1, L, L) and per-token RoPE tables are kept with the inputs, and the
+    rerun attends exactly as the forward did.
     """
 
     @staticmethod
-    def forward(ctx, module, cos, sin, chunks, hidden, embedding, *params):
+    def forward(ctx, module, cos, sin, mask, chunks, hidden, embedding, *params):
         block = module.block
-        x = block.attention_residual(_block_input(module, *_detached(hidden, embedding), chunks), cos, sin)  # (B, L, H)
+        x = block.attention_residual(_block_input(module, *_detached(hidden, embedding), chunks), cos, sin,
+                                     mask)  # (B, L, H)
         out = normed = None
         for start, x_part in _token_chunks(x, chunks):
             out_part = block.mlp_residual(x_part)
@@ -168,7 +171,7 @@ class _RecomputedDepth(torch.autograd.Function):
         ctx.normed_storage = StorageWeakRef(normed.untyped_storage())  # see _spent_buffer
         device = x.device.type  # backward reruns the pieces under the forward's autocast, as checkpointing does
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
-        ctx.save_for_backward(hidden, embedding, x, cos, sin)
+        ctx.save_for_backward(hidden, embedding, x, cos, sin, mask)
         ctx.set_materialize_grads(False)
         return out, normed
 
@@ -179,11 +182,11 @@ class _RecomputedDepth(torch.autograd.Function):
                                "runs once")
         ctx.consumed = True
         module, chunks = ctx.module, ctx.chunks
-        hidden, embedding, x, cos, sin = ctx.saved_tensors
+        hidden, embedding, x, cos, sin, mask = ctx.saved_tensors
         hidden, embedding = _detached(hidden, embedding)  # module inputs without autograd history (module hooks)
         params = list(module.parameters())
-        need = {id(p): needed for p, needed in zip(params, ctx.needs_input_grad[6:])}
-        need_inputs = ctx.needs_input_grad[4:6]
+        need = {id(p): needed for p, needed in zip(params, ctx.needs_input_grad[7:])}
+        need_inputs = ctx.needs_input_grad[5:7]
         grads: dict[int, Tensor] = {}
         mlp_params = [p for m in (module.block.mlp_norm, module.block.mlp, module.norm) for p in m.parameters()]
         mlp_ids = {id(p) for p in mlp_params}
@@ -194,8 +197,8 @@ class _RecomputedDepth(torch.autograd.Function):
                           [p for p in mlp_params if need[id(p)]], grads)
             spent = _spent_buffer(grad_normed, ctx.normed_storage, embedding)
             input_grads = _input_backward(module, hidden, embedding, x, cos, sin, chunks, need, need_inputs, grads,
-                                          spent) if upstream else (None, None)
-        return (None, None, None, None, *input_grads,
+                                          spent, mask) if upstream else (None, None)
+        return (None, None, None, None, None, *input_grads,
                 *(grads.get(id(p)) if need[id(p)] else None for p in params))
 
 
@@ -319,11 +322,13 @@ def _swiglu_backward(gate_up: Tensor, grad: Tensor) -> Tensor:
     return gate_up
 
 
-def _input_backward(module, hidden, embedding, grad_x, cos, sin, chunks, need, need_inputs, grads, spent=None):
+def _input_backward(module, hidden, embedding, grad_x, cos, sin, chunks, need, need_inputs, grads, spent=None,
+                    mask=None):
     """Steps 2 and 3 from d/dx (``grad_x``, in x's storage), one batch row at a time (:func:`_row_input_backward`).
     d/dhidden is written over ``grad_x`` row by row (a row's d/dx is consumed before its d/dhidden exists),
-    d/dembedding into ``spent`` when given (a consumed gradient, :func:`_spent_buffer`). Returns d/dhidden and
-    d/dembedding (``None`` where not needed)."""
+    d/dembedding into ``spent`` when given (a consumed gradient, :func:`_spent_buffer`). ``mask``: the (B, 1, L, L)
+    attention mask of packed documents (``None``: causal). Returns d/dhidden and d/dembedding (``None`` where not
+    needed)."""
     block = module.block
     projection = getattr(module, "eh_proj", None)  # the cascaded module's mix; the parallel block reads h_0 as is
     attention = (block.attn.qkv.weight, block.attn.proj.weight)
@@ -344,24 +349,26 @@ def _input_backward(module, hidden, embedding, grad_x, cos, sin, chunks, need, n
             module, (hidden[rows], None if embedding is None else embedding[rows]),
             (grad_x[rows], None if grad_embedding is None else grad_embedding[rows]),
             *(t[rows] if t.shape[0] > 1 else t for t in (cos, sin)), row_chunks, need_inputs, weight_grads,
-            wanted, grads)
+            wanted, grads, None if mask is None else mask[rows])
     return (grad_x if need_inputs[0] else None), grad_embedding
 
 
 def _row_input_backward(module, inputs: tuple, input_grads: tuple, cos: Tensor, sin: Tensor, chunks: int,
-                        need_inputs, weight_grads: dict, wanted: set, grads: dict) -> None:
+                        need_inputs, weight_grads: dict, wanted: set, grads: dict,
+                        mask: Optional[Tensor] = None) -> None:
     """Steps 2 and 3 for one batch row: its block input m and attn_norm(m) without autograd, its attention by head
     groups, then attn_norm and the block input by token chunks. A row's m, attn_norm(m) and d/dattn_norm(m) are the
     step's working set (3 · L·H, a B-th of the batch's), alive next to every trunk activation; they die with the
     call. ``inputs``: the row's (hidden, embedding), (1, L, H) each; ``input_grads``: the row's d/dx (read, then
-    overwritten with d/dhidden) and its d/dembedding buffer."""
+    overwritten with d/dhidden) and its d/dembedding buffer; ``mask``: the row's (1, 1, L, L) attention mask of
+    packed documents (``None``: causal)."""
     block = module.block
     projection = getattr(module, "eh_proj", None)
     grad_x, grad_embedding = input_grads
     block_input = _block_input(module, *inputs, chunks)  # (1, L, H)
     attention_grads = weight_grads["attention"]
     grad_normed_input, _, _ = block.attn.backward_by_group(
-        block.attn_norm(block_input), cos, sin, grad_x, attention_grads is not None, attention_grads)
+        block.attn_norm(block_input), cos, sin, grad_x, attention_grads is not None, attention_grads, mask)
     for start, input_part in _token_chunks(block_input, chunks):
         window = slice(start, start + input_part.shape[1])
         grad_input = _norm_backward(block.attn_norm, input_part, grad_normed_input[:, window], True, wanted, grads)
@@ -409,8 +416,11 @@ def _accumulate(grads: dict, params: list, found: list) -> None:
 
 
 def recomputed_depth(
-    module: nn.Module, hidden: Tensor, embedding: Optional[Tensor], cos: Tensor, sin: Tensor, chunks: int
+    module: nn.Module, hidden: Tensor, embedding: Optional[Tensor], cos: Tensor, sin: Tensor, chunks: int,
+    mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(h_k, norm(h_k)) of one depth, each (B, L, H), its activations recomputed in backward
-    (:class:`_RecomputedDepth`); its position-wise pieces run in ``chunks`` token chunks."""
-    return _RecomputedDepth.apply(module, cos, sin, chunks, hidden, embedding, *module.parameters())
+    (:class:`_RecomputedDepth`); its position-wise pieces run in ``chunks`` token chunks. ``cos``/``sin`` (1 or B,
+    L, hd/2) are the tokens' RoPE tables; ``mask`` (B, 1, L, L) bool keeps packed documents apart in attention
+    (``None``: causal), in forward and in the rerun."""
+    return _RecomputedDepth.apply(module, cos, sin, mask, chunks, hidden, embedding, *module.parameters())

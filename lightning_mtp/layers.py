@@ -98,6 +98,29 @@ class KVCache:
         return self.k, self.v
 
 
+def document_ids(position_ids: Tensor) -> Tensor:
+    """(B, T) -> (B, T) long: the number of each token's document within its row, from packed ``position_ids``.
+
+    A document starts wherever a position does not follow the previous one by exactly 1 (a restart at 0, as
+    ``transformers.DataCollatorWithFlattening`` writes them): the rule ``transformers``' ``masking_utils`` uses to
+    find packed sequences, so the MTP depths, the bundled trunk and a ``transformers`` trunk separate the same
+    documents. For ids that restart at 0, tokens i < j share a document iff ``position_ids[j] == position_ids[i] +
+    j - i``.
+    """
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)  # (B, T)
+    return (position_ids != previous + 1).long().cumsum(dim=1)
+
+
+def document_mask(position_ids: Tensor) -> Tensor:
+    """(B, T) -> (B, 1, T, T) bool attention mask of packed documents: query i sees key j iff j <= i and both lie in
+    the same document (:func:`document_ids`), block-diagonal causal attention. Its top-left (L, L) corner is the
+    mask of the first L tokens, which is what the MTP depths (positions 0..T-k-2) read."""
+    documents = document_ids(position_ids)  # (B, T)
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril_()  # (T, T)
+    return (documents.unsqueeze(2) == documents.unsqueeze(1)).logical_and_(causal).unsqueeze(1)
+
+
 def visible_slots(positions: Tensor, max_len: int) -> Tensor:
     """(B, 1, T, max_len) bool attention mask of cached decoding: the query at position p sees cache slots 0..p.
 
@@ -157,8 +180,10 @@ class Attention(nn.Module):
         cache: Optional[KVCache] = None,
         mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """``mask``: :func:`visible_slots` of ``positions`` (computed here when not given) over the first W cache slots
-        (W = :func:`attention_width`; the attention reads only those)."""
+        """With a ``cache``: ``mask`` is :func:`visible_slots` of ``positions`` (computed here when not given) over the
+        first W cache slots (W = :func:`attention_width`; the attention reads only those). Without one (training):
+        causal attention over the T tokens, or the (B, 1, T, T) bool ``mask`` when given (packed documents,
+        :func:`document_mask`); ``positions`` are then unused (RoPE comes in ``cos``/``sin``)."""
         B, T, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).split([(nh + nkv) * hd, nkv * hd], dim=-1)
@@ -169,8 +194,8 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if cache is None:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), unit_stride(k).transpose(1, 2), unit_stride(v).transpose(1, 2), is_causal=True,
-                enable_gqa=gqa,
+                q.transpose(1, 2), unit_stride(k).transpose(1, 2), unit_stride(v).transpose(1, 2), attn_mask=mask,
+                is_causal=mask is None, enable_gqa=gqa,
             )  # (B, nh, T, hd)
         else:
             k_all, v_all = cache.write(positions, k, v)  # (B, S, nkv, hd)
@@ -202,28 +227,31 @@ class Attention(nn.Module):
         return qkv
 
     @staticmethod
-    def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention of one group: q (B, T, g, hd), k and v (B, T, 1, hd) -> (B, T, g * hd)."""
+    def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Attention of one group: q (B, T, g, hd), k and v (B, T, 1, hd) -> (B, T, g * hd); causal, or the (B, 1,
+        T, T) bool ``mask`` when given (packed documents)."""
         B, T, per_group, hd = q.shape
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=per_group > 1
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            enable_gqa=per_group > 1,
         )  # (B, g, T, hd)
         return out.transpose(1, 2).reshape(B, T, per_group * hd)
 
-    def add_by_group(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def add_by_group(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         """``out += attention(x)`` (both (B, T, dim), no cache, no autograd graph), one key/value head group at a
         time: heads are independent and the output projection is linear, so the groups' projected outputs sum to
-        :meth:`forward`'s (up to summation order) while one group's activations are alive at a time."""
+        :meth:`forward`'s (up to summation order) while one group's activations are alive at a time. ``mask``: as
+        :meth:`forward`'s without a cache."""
         flat = out.view(-1, out.shape[-1])  # (B*T, dim)
         per_group = self.n_heads // self.n_kv_heads
         for group in range(self.n_kv_heads):
-            heads = self._attend(*self._group_qkv(x, cos, sin, group).split([per_group, 1, 1], dim=2))
+            heads = self._attend(*self._group_qkv(x, cos, sin, group).split([per_group, 1, 1], dim=2), mask)
             _addmm_(flat, heads.reshape(flat.shape[0], -1), self.proj.weight[:, self.head_group(group)[0]].t())
         return out
 
     def backward_by_group(
         self, x: Tensor, cos: Tensor, sin: Tensor, grad_out: Tensor, weight_grads: bool,
-        accumulate_into: Optional[tuple[Tensor, Tensor]] = None,
+        accumulate_into: Optional[tuple[Tensor, Tensor]] = None, mask: Optional[Tensor] = None,
     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """Recompute the attention of ``x`` (B, T, dim) one key/value head group at a time and backpropagate
         ``grad_out`` (B, T, dim) through each group straight away: one group's activations are alive at a time.
@@ -233,7 +261,7 @@ class Attention(nn.Module):
         a time) sum into one gradient. Only the attention itself goes through autograd; the projections and RoPE (a
         rotation: its backward rotates back) are differentiated by hand, so that d/dx and the weight gradients
         accumulate in place. The output projection is not rerun: its result is not needed, only its input (the
-        group's heads).
+        group's heads). ``mask``: the (B, 1, T, T) bool mask of packed documents (``None``: causal).
         """
         x, grad_out = x.detach(), grad_out.detach()
         flat_x = x.reshape(-1, x.shape[-1])  # (B*T, dim)
@@ -248,7 +276,7 @@ class Attention(nn.Module):
             q, k, v = (t.detach().requires_grad_() for t in
                        self._group_qkv(x, cos, sin, group).split([per_group, 1, 1], dim=2))
             with torch.enable_grad():
-                heads = self._attend(q, k, v)  # (B, T, g * hd)
+                heads = self._attend(q, k, v, mask)  # (B, T, g * hd)
             grad_heads = linear_backward(heads.detach(), self.proj.weight[:, rows[0]], grad_out,
                                          None if grad_proj is None else grad_proj[:, rows[0]])
             grads = torch.autograd.grad(heads, (q, k, v), grad_heads.to(heads.dtype))
@@ -360,14 +388,15 @@ class Block(nn.Module):
         cache: Optional[KVCache] = None,
         mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """``mask``: the cached-decoding attention mask (:func:`visible_slots`), shared by the layers of a forward."""
+        """``mask``: the cached-decoding attention mask (:func:`visible_slots`), shared by the layers of a forward, or
+        without a cache the (B, 1, T, T) mask of packed documents (:func:`document_mask`; ``None``: causal)."""
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache, mask)
         return self.mlp_residual(x)
 
-    def attention_residual(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def attention_residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         """The first half of :meth:`forward` without autograd, one key/value head group at a time: x + attn(norm(x))
-        (B, T, H)."""
-        return self.attn.add_by_group(x.clone(), self.attn_norm(x), cos, sin)
+        (B, T, H); ``mask`` as :meth:`forward`'s without a cache."""
+        return self.attn.add_by_group(x.clone(), self.attn_norm(x), cos, sin, mask)
 
     def mlp_residual(self, x: Tensor) -> Tensor:
         """The second half of :meth:`forward`: x + mlp(norm(x)), position-wise, so it can run on any rows of x."""

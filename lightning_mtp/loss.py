@@ -2,8 +2,10 @@
 
 Depth k at position i predicts t(i+k+1) (depth 0 is the next-token head). With T tokens, depth k has T-k-1 scored
 positions; positions whose target falls past the end are never computed, and targets equal to ``ignore_index``
-(padding) are masked. Each depth's mean is over its own valid count, clamped to ≥ 1, so a depth with no valid target
-contributes 0, never NaN (Megatron-LM #1532 and #2417 came from getting this normalisation wrong).
+(padding, prompts) are masked. In a packed batch (``position_ids``, several documents per row) a target in another
+document than its position is masked too (:func:`depth_targets`). Each depth's mean is over its own valid count,
+clamped to ≥ 1, so a depth with no valid target contributes 0, never NaN (Megatron-LM #1532 and #2417 came from
+getting this normalisation wrong).
 
 All depths that share a head are scored by one chunked cross-entropy call with per-row weights w_k / n_k: one fp32
 weight-gradient buffer serves every depth, and no logits are kept for backward. Each depth's rows are a part of
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from lightning_mtp.heads import recomputed_depth
 from lightning_mtp.kernels import linear_cross_entropy_torch, linear_cross_entropy_triton, resolve_backend
 from lightning_mtp.kernels.linear_cross_entropy_torch import check_logit_transform, scale_and_cap
+from lightning_mtp.layers import document_ids
 from lightning_mtp.zero import head_cross_entropy, is_partitioned
 
 
@@ -60,9 +63,26 @@ class LogitTransform:
         return logits if self.is_identity else scale_and_cap(logits, self.scale, self.softcap)
 
 
-def depth_targets(labels: Tensor, depth: int, length: int) -> Tensor:
-    """Targets of depth k for its first ``length`` positions: labels shifted left by k+1. (B, T) -> (B, length)."""
-    return labels[:, depth + 1 : depth + 1 + length]
+def depth_targets(
+    labels: Tensor, depth: int, length: int, position_ids: Optional[Tensor] = None, ignore_index: int = -100
+) -> Tensor:
+    """Targets of depth k for its first ``length`` positions: labels shifted left by k+1. (B, T) -> (B, length).
+
+    With ``position_ids`` (B, T) of packed documents, the target of position i is ``ignore_index`` unless t(i+k+1)
+    lies in i's document (:func:`same_document`): no depth learns to predict across a document boundary.
+    """
+    targets = labels[:, depth + 1 : depth + 1 + length]  # (B, length)
+    if position_ids is None:
+        return targets
+    return targets.masked_fill(~same_document(position_ids, depth, length), ignore_index)
+
+
+def same_document(position_ids: Tensor, depth: int, length: int) -> Tensor:
+    """(B, length) bool: token i + depth + 1 lies in token i's document, for i < ``length``; for position ids that
+    restart at 0 at each document, ``position_ids[i + depth + 1] == position_ids[i] + depth + 1``. Documents are
+    contiguous, so every token between the two is in that document too."""
+    documents = document_ids(position_ids)  # (B, T)
+    return documents[:, :length] == documents[:, depth + 1 : depth + 1 + length]
 
 
 @dataclass
@@ -197,14 +217,21 @@ time: 16 chunks measured 0.2 s dearer per step there (smaller products, more cal
 
 
 def run_depth(
-    module: nn.Module, cos: Tensor, sin: Tensor, recompute: bool, hidden: Tensor, embedding: Optional[Tensor]
+    module: nn.Module, cos: Tensor, sin: Tensor, recompute: bool, hidden: Tensor, embedding: Optional[Tensor],
+    positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """One depth: h_k = module(h_(k-1) or h_0, Emb) and its output norm. Returns (h_k (B, L, H), norm(h_k)).
 
-    With ``recompute`` the depth keeps no activations but its residual between attention and MLP; its backward
-    reruns it once, piece by piece (:func:`~lightning_mtp.heads.recomputed_depth`).
+    Packed documents: ``positions`` (B, L) are the tokens' positions within their documents (the native modules
+    apply their own RoPE from them; the lightning modules get theirs in ``cos``/``sin``), ``mask`` (B, 1, L, L) the
+    block-diagonal causal attention mask (:func:`~lightning_mtp.layers.document_mask`). ``None``: one sequence per
+    row, causal. With ``recompute`` the depth keeps no activations but its residual between attention and MLP; its
+    backward reruns it once, piece by piece (:func:`~lightning_mtp.heads.recomputed_depth`).
     """
     if recompute:
-        return recomputed_depth(module, hidden, embedding, cos, sin, MLP_RECOMPUTE_CHUNKS)
-    out = module(hidden, embedding, cos, sin)
+        return recomputed_depth(module, hidden, embedding, cos, sin, MLP_RECOMPUTE_CHUNKS, mask)
+    if positions is None and mask is None:
+        out = module(hidden, embedding, cos, sin)
+    else:
+        out = module(hidden, embedding, cos, sin, positions, None, mask)
     return out, module.norm(out)

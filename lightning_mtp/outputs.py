@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_mtp.loss import DepthLosses
+from lightning_mtp.loss import DepthLosses, depth_targets
 
 LossTerm = Callable[[Any, "MTPForward"], Tensor]
 """``term(module, forward) -> scalar`` added to the training loss (``MTPMixin.register_mtp_loss_term``)."""
@@ -30,6 +30,15 @@ class MTPForward:
     argmax: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     """Depth k (0: the main head) -> (B, T-k-1) argmax of every position's logits, where a loss pass computed it
     (the validation loss keeps its fused cross-entropy's; the teacher-forced callbacks read and complete it)."""
+    position_ids: Optional[Tensor] = None
+    """(B, T) positions of a packed batch, restarting at 0 at each document (``None``: one sequence per row). A
+    target in another document than its position is never scored: read targets through :meth:`targets`."""
+
+    def targets(self, depth: int, length: int, ignore_index: int = -100) -> Tensor:
+        """(B, length) targets of depth k (0: the main head) at positions 0..length-1: t(i+k+1)'s label, and
+        ``ignore_index`` where that label is or where t(i+k+1) lies in another document
+        (:func:`~lightning_mtp.loss.depth_targets`)."""
+        return depth_targets(self.labels, depth, length, self.position_ids, ignore_index)
 
 
 @dataclass

@@ -11,6 +11,9 @@ everywhere, is the one the loss's fused cross-entropy computed anyway (:func:`te
 does not score yet get the same cross-entropy's forward alone). Statistics that need whole distributions (softmaxes,
 the calibration's temperature grid) read a fixed-size subsample of positions per batch (``max_positions``), and each
 callback calls the heads on those rows only (:func:`probed_logits`): no full-vocabulary logits over whole sequences.
+
+Only positions whose tokens are all scored count (:func:`scored_positions`): labels ``ignore_index`` and, in a packed
+batch (``MTPForward.position_ids``), tokens of another document are left out, as in the loss.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing_extensions import override
 
 from lightning_mtp.callbacks._base import MTPCallback
 from lightning_mtp.head_calls import chunk_rows, depth_head, head_logits, row_chunks
-from lightning_mtp.loss import DepthLossSpec, depth_targets, score_jointly
-from lightning_mtp.mixin import MTPForward, MTPMixin, unpack_batch
+from lightning_mtp.loss import DepthLossSpec, same_document, score_jointly
+from lightning_mtp.mixin import MTPForward, MTPMixin, batch_position_ids, unpack_batch
 
 
 class TeacherForcedCallback(MTPCallback):
@@ -83,8 +86,8 @@ def teacher_forced_argmax(module: MTPMixin, fwd: MTPForward) -> list[Tensor]:
     states = [fwd.main_hidden, *fwd.depth_hidden]  # (B, T-k-1, H) each
     missing = [k for k in range(len(states)) if k not in fwd.argmax]
     if missing:
-        specs = [DepthLossSpec(module.mtp_depth_head_weight(k), depth_targets(fwd.labels, k, states[k].shape[1]), 1.0,
-                               cfg.ignore_index, cfg.loss_chunk_size, module.mtp_depth_head(k)) for k in missing]
+        specs = [DepthLossSpec(module.mtp_depth_head_weight(k), fwd.targets(k, states[k].shape[1], cfg.ignore_index),
+                               1.0, cfg.ignore_index, cfg.loss_chunk_size, module.mtp_depth_head(k)) for k in missing]
         with torch.no_grad():
             parts = score_jointly(specs, [states[k] for k in missing], module.mtp_logit_transform())
         for k, part in zip(missing, parts):
@@ -92,14 +95,17 @@ def teacher_forced_argmax(module: MTPMixin, fwd: MTPForward) -> list[Tensor]:
     return [fwd.argmax[k] for k in range(len(states))]
 
 
-def teacher_forced_forward(module: MTPMixin, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
-    """Every configured depth's hidden states, and ``main_hidden``, under ``no_grad``."""
+def teacher_forced_forward(
+    module: MTPMixin, input_ids: Tensor, labels: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+) -> MTPForward:
+    """Every configured depth's hidden states, and ``main_hidden``, under ``no_grad``; ``position_ids`` (B, T) for a
+    packed batch (documents kept apart)."""
     with torch.no_grad():
         active = module.mtp_active_depth
         module.mtp_active_depth = module.mtp_config.depth
         try:
-            hidden = module.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-            fwd = module.mtp_forward(hidden, input_ids, labels)
+            hidden = module.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
+            fwd = module.mtp_forward(hidden, input_ids, labels, position_ids)
         finally:
             module.mtp_active_depth = active
         fwd.main_hidden = module.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
@@ -108,7 +114,7 @@ def teacher_forced_forward(module: MTPMixin, input_ids: Tensor, labels: Optional
 
 def batch_forward(module: MTPMixin, batch: Any) -> MTPForward:
     input_ids, labels = unpack_batch(batch, module.mtp_config.ignore_index)
-    return teacher_forced_forward(module, input_ids, labels)
+    return teacher_forced_forward(module, input_ids, labels, batch_position_ids(batch))
 
 
 def sequence_logits(
@@ -161,10 +167,15 @@ def probed_columns(batch: int, length: int, max_positions: Optional[int], index:
     return slice(index % stride, None, stride)
 
 
-def scored_positions(labels: Tensor, depth: int, length: int, ignore_index: int) -> Tensor:
-    """(B, length) bool: the tokens t(i+1)..t(i+depth+1) drafted or verified at position i are all scored."""
+def scored_positions(
+    labels: Tensor, depth: int, length: int, ignore_index: int, position_ids: Optional[Tensor] = None
+) -> Tensor:
+    """(B, length) bool: the tokens t(i+1)..t(i+depth+1) drafted or verified at position i are all scored, and with
+    ``position_ids`` (B, T) of a packed batch all lie in i's document (:func:`~lightning_mtp.loss.same_document`)."""
     scored = labels[:, 1:] != ignore_index  # (B, T-1): target of main position j is t(j+1)
     valid = scored[:, :length].clone()
     for offset in range(1, depth + 1):
         valid &= scored[:, offset : offset + length]
+    if position_ids is not None:
+        valid &= same_document(position_ids, depth, length)  # documents are contiguous: the tokens between too
     return valid

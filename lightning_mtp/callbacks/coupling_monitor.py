@@ -94,6 +94,7 @@ def teacher_forced_acceptance(
     fwd: Optional[MTPForward] = None,
     max_positions: Optional[int] = None,
     index: int = 0,
+    position_ids: Optional[Tensor] = None,
 ) -> AcceptanceStats:
     """Greedy acceptance, coupling and calibration inputs of every depth on teacher-forced tokens.
 
@@ -105,8 +106,9 @@ def teacher_forced_acceptance(
         fwd: a :func:`teacher_forced_forward` of these tokens, when already computed.
         max_positions: compute ``js`` and ``confidence`` on about this many positions only (``None``: all).
         index: the batch's number in the epoch, which rotates the probed positions.
+        position_ids: (B, T) positions of a packed batch (documents kept apart; pairs across documents not counted).
     """
-    fwd = fwd if fwd is not None else teacher_forced_forward(module, input_ids, labels)
+    fwd = fwd if fwd is not None else teacher_forced_forward(module, input_ids, labels, position_ids)
     return TeacherForcedOutcomes(module, fwd, max_positions, index).read(module, fwd, chunk_size).stats()
 
 
@@ -122,6 +124,7 @@ class TeacherForcedOutcomes:
         self, module: MTPMixin, fwd: MTPForward, max_positions: Optional[int] = None, index: int = 0
     ) -> None:
         self.labels = labels = fwd.labels
+        self.position_ids = fwd.position_ids  # (B, T) of a packed batch, else None
         self.ignore_index = module.mtp_config.ignore_index
         self.depth = depth = len(fwd.depth_hidden)
         batch, length = labels.shape
@@ -166,7 +169,7 @@ class TeacherForcedOutcomes:
             span = length - k - 1
             accept.append(argmax[k - 1] == main_argmax[:, k : k + span])  # draft of t(i+k+1) vs main at i+k
             chained.append(accept[-1] if k == 1 else chained[-1][:, :span] & accept[-1])
-            valid.append(scored_positions(labels, k, span, self.ignore_index))
+            valid.append(scored_positions(labels, k, span, self.ignore_index, self.position_ids))
             correct.append(argmax[k - 1] == labels[:, k + 1 : k + 1 + span])
         coupling = [argmax[k - 1][:, : length - k - 2] == argmax[k] for k in range(1, self.depth)]
         return AcceptanceStats(accept, chained, valid, coupling, self.js, self.confidence, correct, self.probed)

@@ -125,12 +125,13 @@ class MTPDiversityRegularizer(MTPCallback):
 def collision_sum(
     module: MTPMixin, fwd: MTPForward, depth: int, only_differing_targets: bool = True, chunk_size: Optional[int] = None
 ) -> tuple[Tensor, Tensor]:
-    """(Σ_i Σ_v p_depth(v|i) · p_depth+1(v|i) over the scored positions i, their count)."""
+    """(Σ_i Σ_v p_depth(v|i) · p_depth+1(v|i) over the scored positions i, their count); a packed batch's positions
+    whose targets lie in another document are not scored (``MTPForward.targets``)."""
     ignore = module.mtp_config.ignore_index
     near, far = fwd.depth_hidden[depth - 1], fwd.depth_hidden[depth]  # (B, T-k-1, H), (B, T-k-2, H)
     length = far.shape[1]
-    near_targets = fwd.labels[:, depth + 1 : depth + 1 + length]  # t(i+k+1), (B, L)
-    far_targets = fwd.labels[:, depth + 2 : depth + 2 + length]  # t(i+k+2), (B, L)
+    near_targets = fwd.targets(depth, length, ignore)  # t(i+k+1), (B, L)
+    far_targets = fwd.targets(depth + 1, length, ignore)  # t(i+k+2), (B, L)
     mask = (near_targets != ignore) & (far_targets != ignore)
     if only_differing_targets:
         mask &= near_targets != far_targets

@@ -151,7 +151,9 @@ class MTPDraftCalibration(TeacherForcedCallback):
         for part in row_chunks(batch, sequences_per_chunk(pl_module, fwd, self.chunk_size, probed)):
             for k in range(1, len(fwd.depth_hidden) + 1):
                 span = length - k - 1
-                valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index)[:, columns]
+                positions = None if fwd.position_ids is None else fwd.position_ids[part]
+                valid = scored_positions(fwd.labels[part], k, span, pl_module.mtp_config.ignore_index,
+                                         positions)[:, columns]
                 # depth k at i, main at i+k, on the probed positions only; (b, n, V)[valid] -> (N, V)
                 draft = probed_logits(pl_module, fwd, k, part, columns)
                 main = probed_logits(pl_module, fwd, 0, part, columns, offset=k)

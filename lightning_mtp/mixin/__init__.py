@@ -6,7 +6,9 @@ optional hooks with their defaults: ``mtp_block_spec``, ``mtp_logit_transform``,
 1. ``mtp_token_embedding()`` -> the token embedding module (``nn.Embedding``), shared with the cascaded modules;
 2. ``mtp_output_head()`` -> the vocabulary projection (``nn.Linear``), shared by every depth;
 3. ``mtp_final_norm()`` -> the trunk's final norm used for the next-token loss (default: identity);
-4. ``mtp_trunk_hidden_states(input_ids)`` -> the trunk's last hidden state (B, T, H), before the final norm.
+4. ``mtp_trunk_hidden_states(input_ids)`` -> the trunk's last hidden state (B, T, H), before the final norm. For
+   packed batches it takes ``position_ids=None`` too (attention within each document); without that parameter,
+   packed batches are refused (:meth:`MTPHostContract.mtp_trunk_hidden_states`).
 
 Example::
 
@@ -29,9 +31,11 @@ Example::
 
         def configure_optimizers(self): ...
 
-The default ``training_step``/``validation_step`` take batches of token ids (a tensor, or a dict with
-``input_ids`` and optional ``labels``). Hosts with their own ``training_step`` call :meth:`MTPMixin.compute_mtp_loss`
-with their hidden states and add its ``loss`` to theirs.
+The default ``training_step``/``validation_step`` take batches of token ids: a (B, T) tensor, or a dict in
+``transformers``' conventions with ``input_ids`` and optional ``labels`` (-100 where not trained, unshifted),
+``attention_mask`` (right padding) and ``position_ids`` (packed documents, restarting at 0 at each one; see
+:mod:`lightning_mtp.mixin.steps`). Hosts with their own ``training_step`` call :meth:`MTPMixin.compute_mtp_loss`
+with their hidden states (and ``position_ids`` for packed batches) and add its ``loss`` to theirs.
 """
 
 from __future__ import annotations
@@ -49,10 +53,11 @@ from lightning_mtp.mixin.contract import MTPHostContract
 from lightning_mtp.mixin.divergence import MTPDivergenceGuard
 from lightning_mtp.mixin.lifecycle import MTPLifecycle
 from lightning_mtp.mixin.objective import MTPObjective
-from lightning_mtp.mixin.steps import MTPSteps, unpack_batch
+from lightning_mtp.mixin.steps import MTPSteps, batch_position_ids, unpack_batch
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
 
-__all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "check_block_spec", "unpack_batch"]
+__all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "batch_position_ids", "check_block_spec",
+           "unpack_batch"]
 
 
 class MTPMixin(MTPSteps, MTPLifecycle, MTPDivergenceGuard, MTPObjective, MTPConstruction, MTPHostContract):

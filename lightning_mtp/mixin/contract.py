@@ -4,6 +4,7 @@ plus optional hooks with defaults (block shape, vocabulary, logit transform, dec
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 from torch import Tensor, nn
@@ -24,11 +25,38 @@ class MTPHostContract:
     def mtp_final_norm(self) -> nn.Module:
         return nn.Identity()
 
-    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
+    def mtp_trunk_hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """The trunk's last hidden state (B, T, H), before the final norm, for token ids (B, T); causal: position i
+        reads tokens 0..i only.
+
+        ``position_ids`` is optional in an override: a host whose override has a ``position_ids`` parameter receives
+        it for packed batches, (B, T) positions restarting at 0 at each document (``transformers``' convention), and
+        must keep attention within each document (block-diagonal causal) with its position encoding at those
+        positions; it is called without it (or with ``None``) for batches of one sequence per row. An override
+        ``mtp_trunk_hidden_states(input_ids)`` without that parameter makes packed batches fail with a message
+        (:meth:`mtp_run_trunk`); right-padded batches (``attention_mask``) need nothing from the host.
+        """
         raise NotImplementedError(
             f"{type(self).__name__} must implement mtp_trunk_hidden_states(input_ids) to use MTPMixin's default "
             "training_step; hosts with their own training_step call compute_mtp_loss(hidden, input_ids) instead"
         )
+
+    def mtp_run_trunk(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """:meth:`mtp_trunk_hidden_states` of a batch: (B, T) ids, and for a packed batch its (B, T) positions.
+
+        Raises:
+            ValueError: ``position_ids`` given and the host's ``mtp_trunk_hidden_states`` takes no ``position_ids``:
+                its attention would cross documents, so the batch is refused rather than trained on wrongly.
+        """
+        if position_ids is None:
+            return self.mtp_trunk_hidden_states(input_ids)
+        if not takes_position_ids(self.mtp_trunk_hidden_states):
+            raise ValueError(
+                f"{type(self).__name__}.mtp_trunk_hidden_states(input_ids) takes no position_ids, so it cannot keep "
+                "the documents of a packed batch apart: give it a position_ids=None parameter (attention within each "
+                "document, positions restarting at 0), or use --data.init_args.packing false"
+            )
+        return self.mtp_trunk_hidden_states(input_ids, position_ids=position_ids)
 
     def mtp_pad_token_id(self) -> Optional[int]:
         """Pad id that ``generate`` writes after a row's EOS in ``sequences`` when no ``pad_token_id`` is given:
@@ -76,3 +104,12 @@ class MTPHostContract:
     def mtp_context_flag(self) -> str:
         """The flag or field that sets :meth:`mtp_max_sequence_length`, for error messages."""
         return f"{type(self).__name__}.mtp_max_sequence_length()"
+
+
+def takes_position_ids(method) -> bool:
+    """Whether ``method`` (a host's ``mtp_trunk_hidden_states``) has a parameter named ``position_ids``; a bare
+    ``**kwargs`` does not count, since it may drop them."""
+    try:
+        return "position_ids" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False

@@ -1,5 +1,10 @@
 """The MTP training objective: run the active depths on teacher-forced tokens, score them jointly with the main
-head, add the registered loss terms (:meth:`MTPObjective.compute_lm_loss`, :meth:`MTPObjective.compute_mtp_loss`)."""
+head, add the registered loss terms (:meth:`MTPObjective.compute_lm_loss`, :meth:`MTPObjective.compute_mtp_loss`).
+
+Packed batches (``position_ids``, several documents per row) keep documents apart everywhere: the trunk gets the
+position ids (:meth:`~lightning_mtp.mixin.contract.MTPHostContract.mtp_run_trunk`), every depth attends within its
+document with RoPE at the in-document position, and no target of any depth, the main head's included, lies in another
+document than its position (:func:`~lightning_mtp.loss.depth_targets`)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_mtp.layers import document_mask
 from lightning_mtp.loss import DepthLossPart, DepthLossSpec, combine_parts, depth_targets, run_depth, score_jointly
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
 
@@ -25,12 +31,15 @@ class MTPObjective:
         """Remove a term added by :meth:`register_mtp_loss_term` (no error when absent)."""
         self._mtp_loss_terms.pop(name, None)
 
-    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPForward:
+    def mtp_forward(
+        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+    ) -> MTPForward:
         """Run every active depth on teacher-forced tokens; returns per-depth normed hidden states.
 
         hidden: (B, T, H) trunk's last hidden state h_0. Depth k covers positions 0..T-k-2, the ones with a target.
+        position_ids: (B, T) of a packed batch (documents kept apart), or ``None``.
         """
-        return self._run_depths(hidden, input_ids, labels, with_loss=False)[0]
+        return self._run_depths(hidden, input_ids, labels, with_loss=False, position_ids=position_ids)[0]
 
     def _score(
         self, fwd: MTPForward, specs: list[DepthLossSpec], main: Optional[DepthLossSpec] = None,
@@ -53,16 +62,22 @@ class MTPObjective:
     def _run_depths(
         self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor], with_loss: bool,
         run_depths: Optional[int] = None, trunk_embeddings: Optional[TrunkEmbeddings] = None,
+        position_ids: Optional[Tensor] = None,
     ) -> tuple[MTPForward, list[DepthLossSpec]]:
         """The depth loop over ``run_depths`` depths (default: the active ones); loss specs for the active depths
         only, weighted λ / active · w_k. With ``recompute`` each depth (module and output norm) keeps, between forward
         and backward, only its inputs and the block's mid residual, and its backward reruns it once
         (:func:`run_depth`). ``trunk_embeddings``: the trunk's own lookup of ``input_ids``, which the cascaded depths
-        read instead of a second lookup when the draft embedding is the trunk's (:class:`TrunkEmbeddings`)."""
+        read instead of a second lookup when the draft embedding is the trunk's (:class:`TrunkEmbeddings`).
+        ``position_ids`` (B, T): packed documents; depth k's positions 0..L-1 (L = T-k-1) attend within their
+        documents (the top-left (L, L) corner of one block-diagonal mask) with RoPE at their in-document positions,
+        and their targets are masked across documents."""
         modules = self.require_mtp_modules()
         cfg = self.mtp_config
         B, T = input_ids.shape
         self._check_trunk_hidden(hidden, input_ids)
+        if position_ids is not None and tuple(position_ids.shape) != (B, T):
+            raise ValueError(f"position_ids must have input_ids' shape {(B, T)}, got {tuple(position_ids.shape)}")
         if T < cfg.depth + 2:
             raise ValueError(
                 f"sequence length {T} is shorter than MTPConfig.depth + 2 = {cfg.depth + 2}: depth {cfg.depth} "
@@ -82,7 +97,8 @@ class MTPObjective:
             else:
                 with torch.set_grad_enabled(grad):
                     embeddings = embedding(input_ids)  # (B, T, H)
-        cos, sin = self.mtp_rope(T)
+        cos, sin = self.mtp_rope(T) if position_ids is None else self.mtp_rope(T, position_ids)  # (1 or B, T, hd/2)
+        mask = None if position_ids is None else document_mask(position_ids)  # (B, 1, T, T)
         recompute = cfg.recompute and torch.is_grad_enabled()
         scale = self.mtp_loss_weight / max(self.mtp_active_depth, 1)
         previous, depth_hidden, specs = trunk, [], []
@@ -95,16 +111,19 @@ class MTPObjective:
                 head_weight = self.mtp_depth_head_weight(k)
                 if cfg.detach_trunk and self.mtp_output_heads is None:
                     head_weight = head_weight.detach()  # the MTP loss must not move the shared head
-                loss_spec = DepthLossSpec(head_weight, depth_targets(labels, k, length),
-                                          scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
-                                          self._mtp_chunk_size(), self.mtp_depth_head(k))
-            out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in)
+                targets = depth_targets(labels, k, length, position_ids, cfg.ignore_index)  # (B, L)
+                loss_spec = DepthLossSpec(head_weight, targets, scale * self.mtp_depth_weights[k - 1],
+                                          cfg.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(k))
+            positions = None if position_ids is None else position_ids[:, :length]  # (B, L)
+            depth_mask = None if mask is None else mask[:, :, :length, :length]  # (B, 1, L, L)
+            out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in,
+                                    positions, depth_mask)
             depth_hidden.append(normed)
             if k <= self.mtp_active_depth:
                 specs.append(loss_spec)
             previous = out
         # Under detach_trunk, loss terms (callbacks) read the detached trunk state: no MTP-side gradient reaches it.
-        return MTPForward(input_ids, labels, trunk, depth_hidden), specs
+        return MTPForward(input_ids, labels, trunk, depth_hidden, position_ids=position_ids), specs
 
     def _check_trunk_hidden(self, hidden: Tensor, input_ids: Tensor) -> None:
         norm = getattr(self.mtp_modules[0], "norm", None)
@@ -152,32 +171,49 @@ class MTPObjective:
     def _mtp_chunk_size(self) -> Optional[int]:
         return self.mtp_config.loss_chunk_size
 
-    def compute_mtp_loss(self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
+    def compute_mtp_loss(
+        self, hidden: Tensor, input_ids: Tensor, labels: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+    ) -> MTPLossOutput:
         """The weighted MTP loss for hosts that keep their own ``training_step``.
 
         Args:
-            hidden: (B, T, H) the trunk's last hidden state (before the final norm).
+            hidden: (B, T, H) the trunk's last hidden state (before the final norm); for a packed batch, computed
+                with attention kept within each document.
             input_ids: (B, T) token ids.
-            labels: (B, T) targets aligned with ``input_ids`` (``ignore_index`` on padding); default ``input_ids``.
+            labels: (B, T) targets aligned with ``input_ids`` (``ignore_index`` where not trained: padding,
+                prompts); default ``input_ids``. Position i of depth k is scored on ``labels[i+k+1]``.
+            position_ids: (B, T) positions of a packed batch, restarting at 0 at each document (``None``: one
+                sequence per row). Depths attend within documents, and targets in another document are not scored.
 
         Returns:
             ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
             ``depth_losses`` (D,) for logging.
         """
-        return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True))
+        return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
 
-    def compute_lm_loss(self, input_ids: Tensor, labels: Optional[Tensor] = None) -> MTPLossOutput:
-        """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked."""
+    def compute_lm_loss(
+        self, input_ids: Tensor, labels: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+    ) -> MTPLossOutput:
+        """Next-token loss plus the MTP loss; every depth's cross-entropy is chunked.
+
+        ``labels`` (B, T): what each token is scored as (``ignore_index``: not scored; default ``input_ids``);
+        the main head at i predicts ``labels[i+1]``, depth k ``labels[i+k+1]``. ``position_ids`` (B, T): a packed
+        batch's positions, restarting at 0 at each document; the trunk receives them
+        (:meth:`~lightning_mtp.mixin.contract.MTPHostContract.mtp_run_trunk`: a host that cannot take them refuses
+        the batch) and no target crosses a document boundary.
+        """
         with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
-            hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, trunk_embeddings=trunk_embeddings)
+            hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, trunk_embeddings=trunk_embeddings,
+                                      position_ids=position_ids)
         return self._score(fwd, specs, self._main_loss_spec(hidden, fwd))
 
     def _main_loss_spec(self, hidden: Tensor, fwd: MTPForward) -> DepthLossSpec:
         """The next-token head's loss spec; sets ``fwd.main_hidden`` (B, T-1, H), the final-normed trunk states."""
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
-        return DepthLossSpec(self.mtp_depth_head_weight(0), depth_targets(fwd.labels, 0, hidden.shape[1] - 1), 1.0,
-                             self.mtp_config.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(0))
+        targets = fwd.targets(0, hidden.shape[1] - 1, self.mtp_config.ignore_index)  # (B, T-1)
+        return DepthLossSpec(self.mtp_depth_head_weight(0), targets, 1.0, self.mtp_config.ignore_index,
+                             self._mtp_chunk_size(), self.mtp_depth_head(0))
 
 
 class TrunkEmbeddings:

@@ -4,6 +4,16 @@
 A validation batch runs the trunk once: callbacks that read every depth's hidden states (the coupling monitor, the
 draft calibration) ask for them in ``on_validation_batch_start`` (:meth:`MTPSteps.mtp_validation_forward`), and
 ``validation_step`` keeps what it computed for the loss, plus the depths that training has not activated yet.
+
+A batch is a (B, T) tensor of token ids, or a dict in ``transformers``' conventions (:func:`unpack_batch`,
+:func:`batch_position_ids`):
+
+- ``input_ids`` (B, T), required;
+- ``labels`` (B, T): the token where it is trained, ``ignore_index`` (-100) elsewhere; unshifted (the model shifts:
+  the main head at i predicts ``labels[i+1]``, depth k ``labels[i+k+1]``); default ``input_ids``;
+- ``attention_mask`` (B, T): right padding, 1 on tokens, 0 on padding, whose labels become ``ignore_index``;
+- ``position_ids`` (B, T): packed documents, positions restarting at 0 at each document's first token
+  (``transformers.DataCollatorWithFlattening``); attention and targets stay within documents.
 """
 
 from __future__ import annotations
@@ -41,53 +51,76 @@ class MTPSteps:
     _mtp_validation_record: Optional[ValidationForward] = None  # the current validation batch's, when asked for
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = self.mtp_checked_batch(batch)
-        out = self.compute_lm_loss(input_ids, labels)
+        input_ids, labels, position_ids = self.mtp_checked_batch(batch)
+        out = self.compute_lm_loss(input_ids, labels, position_ids)
         self.mtp_watch_loss(out)
         self._log_mtp(out, "train", input_ids.shape[0])
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = self.mtp_checked_batch(batch)
+        input_ids, labels, position_ids = self.mtp_checked_batch(batch)
         record = self._mtp_validation_record
         if record is not None and record.input_ids is not input_ids:
             record = self._mtp_validation_record = None  # another batch's, left by a hook that skipped super()
         if record is not None and record.forward is None:
-            out, record.forward = self._lm_loss_keeping_every_depth(input_ids, labels)
+            out, record.forward = self._lm_loss_keeping_every_depth(input_ids, labels, position_ids)
         else:
-            out = self.compute_lm_loss(input_ids, labels)
+            out = self.compute_lm_loss(input_ids, labels, position_ids)
         self._log_mtp(out, "val", input_ids.shape[0])
         return out.loss
 
-    def mtp_checked_batch(self, batch: Any) -> tuple[Tensor, Optional[Tensor]]:
-        """``unpack_batch`` with the batch checked: a dict has ``input_ids``; ``labels`` and ``attention_mask`` have
-        its shape; ids lie in the vocabulary and labels too, or equal ``ignore_index`` (one host sync)."""
+    def mtp_checked_batch(self, batch: Any) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """(input_ids, labels, position_ids) of a batch (:func:`unpack_batch`, :func:`batch_position_ids`), checked:
+        a dict has ``input_ids``; ``labels``, ``attention_mask`` and ``position_ids`` have its shape; ids lie in the
+        vocabulary and labels too, or equal ``ignore_index``; ``attention_mask`` is right padding; ``position_ids``
+        are non-negative integers (one host sync for the value checks)."""
         if isinstance(batch, dict) and "input_ids" not in batch:
             raise ValueError(f"a batch must be a (B, T) tensor of token ids or a dict with 'input_ids' (and optional "
-                             f"'labels', 'attention_mask'); got a dict with keys {sorted(map(str, batch))}")
+                             f"'labels', 'attention_mask', 'position_ids'); got a dict with keys "
+                             f"{sorted(map(str, batch))}")
         ignore = self.mtp_config.ignore_index
         input_ids, labels = unpack_batch(batch, ignore)
+        position_ids = batch_position_ids(batch)
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"a batch's input_ids must be a (B, T) tensor of integer token ids, got {shape}")
-        for name in ("labels", "attention_mask"):
+        for name in ("labels", "attention_mask", "position_ids"):
             value = batch.get(name) if isinstance(batch, dict) else (labels if name == "labels" else None)
             if value is not None and tuple(value.shape) != tuple(input_ids.shape):
                 raise ValueError(f"a batch's {name} must have input_ids' shape {tuple(input_ids.shape)}, got "
                                  f"{tuple(value.shape)}")
-        vocab = self.mtp_vocab_size_hint()
-        if vocab is None:
-            return input_ids, labels
+        if position_ids is not None and (position_ids.is_floating_point() or position_ids.dtype == torch.bool):
+            raise ValueError(f"a batch's position_ids must be integers, got {position_ids.dtype}")
+        self._check_batch_values(input_ids, labels, position_ids, _batch_mask(batch))
+        return input_ids, labels, position_ids
+
+    def _check_batch_values(self, input_ids: Tensor, labels: Optional[Tensor], position_ids: Optional[Tensor],
+                            mask: Optional[Tensor]) -> None:
+        """The value checks of :meth:`mtp_checked_batch`, read back in one host sync."""
+        ignore, vocab = self.mtp_config.ignore_index, self.mtp_vocab_size_hint()
+        if vocab is None and position_ids is None and mask is None:
+            return
+        zero = input_ids.new_zeros(())
         scored = input_ids if labels is None else labels.masked_fill(labels == ignore, 0)
-        low, high, label_low, label_high = torch.stack(
-            [input_ids.min(), input_ids.max(), scored.min(), scored.max()]).tolist()
+        padding = None if mask is None else mask == 0  # (B, T)
+        after_padding = zero if padding is None else (padding[:, :-1] & ~padding[:, 1:]).any()  # a token after padding
+        values = [input_ids.min(), input_ids.max(), scored.min(), scored.max(),
+                  zero if position_ids is None else position_ids.min().to(zero.dtype), after_padding.to(zero.dtype)]
+        low, high, label_low, label_high, position_low, left_padded = torch.stack(values).tolist()
+        if position_low < 0:
+            raise ValueError(f"a batch's position_ids must be >= 0 (each document's positions restart at 0), got "
+                             f"{position_low}")
+        if left_padded:
+            raise ValueError("a batch's attention_mask must be right padding (each row's 1s, then its 0s): attention "
+                             "is causal, so tokens after padding would attend to it; pad on the right")
+        if vocab is None:
+            return
         if low < 0 or high >= vocab or label_low < 0 or label_high >= vocab:
             what = "input_ids" if low < 0 or high >= vocab else f"labels (other than ignore_index {ignore})"
             span = (low, high) if what == "input_ids" else (label_low, label_high)
             raise ValueError(f"a batch's {what} range over [{span[0]}, {span[1]}], outside the model's vocabulary "
                              f"[0, {vocab}): the data's tokenizer does not fit the model (--data.tokenizer, "
                              "--data.vocab_size and the model's vocabulary size must agree)")
-        return input_ids, labels
 
     def mtp_validation_forward(self, batch: Any) -> ValidationForward:
         """The shared forward of validation batch ``batch``; the first call for a batch asks for it.
@@ -109,12 +142,14 @@ class MTPSteps:
         self._mtp_validation_record = None  # every callback has read it (Lightning calls theirs first)
 
     def _lm_loss_keeping_every_depth(
-        self, input_ids: Tensor, labels: Optional[Tensor]
+        self, input_ids: Tensor, labels: Optional[Tensor], position_ids: Optional[Tensor] = None
     ) -> tuple[MTPLossOutput, MTPForward]:
         """``compute_lm_loss`` and the teacher-forced forward of every configured depth, from one trunk pass and one
-        pass per depth. The loss is ``compute_lm_loss``'s to the bit: the active depths only, weighted as there."""
-        hidden = self.mtp_trunk_hidden_states(input_ids)  # (B, T, H)
-        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, run_depths=self.mtp_config.depth)
+        pass per depth. The loss is ``compute_lm_loss``'s to the bit: the active depths only, weighted as there. The
+        forward carries ``position_ids``, so its readers mask cross-document targets as the loss does."""
+        hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
+        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, run_depths=self.mtp_config.depth,
+                                      position_ids=position_ids)
         main = self._main_loss_spec(hidden, fwd)
         active = len(specs)
         # _score drops the states it scored from the forward it is given: give it a copy, keep the full one.
@@ -127,8 +162,8 @@ class MTPSteps:
         return out, fwd
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids, labels = self.mtp_checked_batch(batch)
-        out = self.compute_lm_loss(input_ids, labels)
+        input_ids, labels, position_ids = self.mtp_checked_batch(batch)
+        out = self.compute_lm_loss(input_ids, labels, position_ids)
         self._log_mtp(out, "test", input_ids.shape[0])
         return out.loss
 
@@ -165,7 +200,9 @@ class MTPSteps:
 
 
 def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:
-    """Token ids and labels from a (B, T) tensor, or a dict with ``input_ids`` and optional ``labels``/mask."""
+    """Token ids and labels from a (B, T) tensor, a (ids, labels) tuple, or a dict with ``input_ids`` and optional
+    ``labels`` / ``attention_mask`` (0 turns the label into ``ignore_index``). A packed dict's ``position_ids`` come
+    from :func:`batch_position_ids`."""
     if isinstance(batch, Tensor):
         return batch, None
     if isinstance(batch, (list, tuple)):
@@ -176,3 +213,12 @@ def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional
     if mask is not None:
         labels = (input_ids if labels is None else labels).masked_fill(mask == 0, ignore_index)
     return input_ids, labels
+
+
+def batch_position_ids(batch: Any) -> Optional[Tensor]:
+    """(B, T) ``position_ids`` of a packed dict batch (positions restarting at 0 at each document), else ``None``."""
+    return batch.get("position_ids") if isinstance(batch, dict) else None
+
+
+def _batch_mask(batch: Any) -> Optional[Tensor]:
+    return batch.get("attention_mask") if isinstance(batch, dict) else None

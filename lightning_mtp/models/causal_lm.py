@@ -36,6 +36,7 @@ from lightning_mtp.layers import (
     RMSNorm,
     RotaryTable,
     attention_width,
+    document_mask,
     mlp_hidden_size,
     visible_slots,
 )
@@ -183,8 +184,9 @@ class CausalLM(MTPMixin, L.LightningModule):
     def mtp_final_norm(self) -> nn.Module:
         return self.norm
 
-    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
-        return self(input_ids)
+    def mtp_trunk_hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """:meth:`forward` in training: causal, or packed documents kept apart when ``position_ids`` are given."""
+        return self(input_ids, position_ids)
 
     def mtp_block_spec(self) -> dict:
         cfg = self.model_config
@@ -217,7 +219,11 @@ class CausalLM(MTPMixin, L.LightningModule):
     ) -> Tensor:
         """Trunk's last hidden state (B, T, H), before the final norm.
 
-        Training: ``positions`` and ``caches`` are ``None`` (causal attention over the sequence). Decoding:
+        Training: ``caches`` is ``None``; without ``positions`` attention is causal over each row. Packed rows:
+        ``positions`` (B, T) are each token's position within its document (restarting at 0 at each document's first
+        token, ``transformers``' ``position_ids``): RoPE runs at them and attention is block-diagonal causal, no token
+        seeing another document (:func:`~lightning_mtp.layers.document_mask`, built here unless ``mask`` is given).
+        Decoding:
         ``positions`` (B, T) are each token's position (rotary embedding, and by default its cache slot), ``caches``
         one :class:`KVCache` per layer. Tree verification writes the tokens at other cache ``slots`` (B, T) and passes
         the ``mask`` (B, 1, T, W) of the slots each token sees among the first W (its ancestors;
@@ -236,6 +242,8 @@ class CausalLM(MTPMixin, L.LightningModule):
         cos, sin = self.rope(input_ids.shape[1], positions)
         if caches is not None and mask is None:
             mask = visible_slots(positions, attention_width(positions, caches[0].max_len))  # (B, 1, T, W), all layers
+        elif caches is None and positions is not None and mask is None:
+            mask = document_mask(positions)  # (B, 1, T, T), packed documents, all layers
         slots = positions if slots is None else slots
         x = self.embed(input_ids)  # (B, T, H)
         for i, layer in enumerate(self.layers):

@@ -28,6 +28,10 @@ Example::
     >>> model.compute_lm_loss(torch.randint(0, 64, (2, 16))).depth_losses.shape
     torch.Size([2])
 
+Packed batches (``position_ids`` restarting at each document): the ids go to the model with no attention mask, and
+``transformers``' ``masking_utils`` turn them into block-diagonal causal masks; a model whose modeling code does not
+build its mask that way is refused with the flag to turn packing off (:func:`packing_support_problem`).
+
 Native MTP layers (issue #14): for families released with MTP layers (a config with ``num_nextn_predict_layers``:
 glm4_moe, deepseek_v3) ``MTPConfig.layout`` defaults to ``"native"`` -- the MTP blocks are the model's own decoder
 layers with the checkpoints' semantics (:mod:`lightning_mtp.native`). ``HFCausalLM(pretrained=DIR)`` then imports the
@@ -42,8 +46,10 @@ MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` r
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
+import re
 from dataclasses import asdict
 from typing import Any, Optional, Union
 
@@ -188,6 +194,56 @@ def check_trunk(model: nn.Module) -> None:
         raise TypeError(f"{name} is an encoder-decoder model; HFCausalLM needs a decoder-only causal LM")
 
 
+_MASK_FUNCTION = r"\bcreate_(?:causal|sliding_window_causal|chunked_causal)_mask\b"
+
+
+def packing_support_problem(model: nn.Module) -> Optional[str]:
+    """Why ``model`` (a ``*ForCausalLM``) cannot keep packed documents apart from ``position_ids`` alone (``None``:
+    it can).
+
+    ``transformers`` builds block-diagonal masks from packed position ids in ``masking_utils``
+    (``find_packed_sequence_indices``, used when no attention mask and no cache are given), but only for a model
+    whose base model's forward passes ``position_ids`` to ``create_causal_mask`` (or its sliding-window / chunked
+    variants), and only with an attention kernel that ``masking_utils`` knows; any other model would let documents
+    attend to each other silently.
+    """
+    base = model.base_model
+    config = model.config.get_text_config()
+    try:
+        source = inspect.getsource(type(base).forward)
+        takes = "position_ids" in inspect.signature(base.forward).parameters
+    except (OSError, TypeError, ValueError):
+        return "its modeling code could not be read"
+    if not takes:
+        return "its forward takes no position_ids"
+    if not _mask_reads_position_ids(source):
+        return "its modeling code does not build its attention mask from position_ids (transformers' masking_utils)"
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"its attention implementation {kernel!r} has no packed-sequence mask in transformers' masking_utils"
+    return None
+
+
+def _mask_reads_position_ids(source: str) -> bool:
+    """Whether a forward's source calls ``create_*causal_mask`` (directly or through a name bound to it, as
+    ``mask_function = create_causal_mask if ... else ...``) with ``position_ids``: as a keyword, or through a
+    ``**kwargs`` dict that holds them (``mask_kwargs = {..., "position_ids": position_ids}``)."""
+    names = [_MASK_FUNCTION] + [rf"\b{re.escape(m.group(1))}\b"
+                                for m in re.finditer(rf"(\w+)\s*=[^\n]*{_MASK_FUNCTION}", source)]
+    for name in names:
+        for match in re.finditer(name + r"\(", source):
+            depth, end = 1, match.end()
+            while depth and end < len(source):
+                depth += {"(": 1, ")": -1}.get(source[end], 0)
+                end += 1
+            arguments = source[match.end():end]
+            if "position_ids" in arguments or ("**" in arguments and '"position_ids": position_ids' in source):
+                return True
+    return False
+
+
 class HFCausalLM(MTPMixin, L.LightningModule):
     """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
 
@@ -313,8 +369,26 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def mtp_output_head(self) -> nn.Linear:
         return self.trunk.get_output_embeddings()
 
-    def mtp_trunk_hidden_states(self, input_ids: Tensor) -> Tensor:
-        return self(input_ids)
+    def mtp_trunk_hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """:meth:`forward`; a packed batch's ``position_ids`` go to the model, which keeps documents apart (no
+        attention mask is passed, so ``transformers`` builds a block-diagonal one from them).
+
+        Raises:
+            ValueError: ``position_ids`` given and the model cannot use them so (:func:`packing_support_problem`).
+        """
+        if position_ids is not None:
+            self._check_packing()
+        return self(input_ids, position_ids=position_ids)
+
+    def _check_packing(self) -> None:
+        problem = getattr(self, "_packing_problem", ...)
+        if problem is ...:  # the model's code does not change: read it once
+            problem = self._packing_problem = packing_support_problem(self.trunk)
+        if problem is not None:
+            raise ValueError(
+                f"packed batches (position_ids) need the model to keep documents apart, but {type(self.trunk).__name__}"
+                f" (model_type {self.trunk.config.model_type!r}) cannot: {problem}. Use --data.init_args.packing false"
+            )
 
     def mtp_block_spec(self) -> dict:
         cfg = self.trunk.config.get_text_config()
@@ -367,10 +441,16 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         positions for models with learned position embeddings (GPT-2)."""
         return self.max_positions - self.mtp_config.depth
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        """The trunk's last hidden state (B, T, H) from the model's own output (after its final norm)."""
+    def forward(
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+    ) -> Tensor:
+        """The trunk's last hidden state (B, T, H) from the model's own output (after its final norm).
+
+        ``position_ids`` (B, T): a packed batch's positions, passed to the model (with no ``attention_mask``, the
+        model's ``masking_utils`` derive block-diagonal causal attention from them)."""
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_trunk):
-            out = self.trunk.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.trunk.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         return out.last_hidden_state
 
     def logits(self, hidden: Tensor) -> Tensor:

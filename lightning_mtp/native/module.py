@@ -9,7 +9,8 @@ norm, and h_k, already normalised by ``post_norm``, is both what the shared head
 The module plugs into ``MTPMixin``'s loss loop like the lightning layout's (``module(hidden, emb, cos, sin)``, then
 ``module.norm``): its output is already post-normed, so ``norm`` only copies it (:class:`HeadInput`) and the chain
 carries the normed state, as the checkpoints were trained. ``cos``/``sin`` are ignored: the host's rotary embedding
-is applied at the module's own positions.
+is applied at the module's own positions. In a packed batch the loop passes each token's position within its
+document and the block-diagonal causal mask of the documents, so no depth attends across a document boundary.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ class NativeMTPModule(nn.Module):
         """h_k (B, T, H), post-normed.
 
         hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H). ``positions`` (B, T): the
-        positions i (default 0..T-1); RoPE runs at i + depth. ``cache``: an object with ``transformers``' cache
-        ``update`` protocol (:class:`~lightning_mtp.native.cache.PositionalLayerCache` when drafting); ``mask``: the
-        additive (B, 1, T, S) attention mask over the keys the block sees (default: causal over these T tokens).
+        positions i (default 0..T-1; in a packed batch, i's position within its document); RoPE runs at i + depth.
+        ``cache``: an object with ``transformers``' cache ``update`` protocol
+        (:class:`~lightning_mtp.native.cache.PositionalLayerCache` when drafting); ``mask``: the (B, 1, T, S)
+        attention mask over the keys the block sees, additive or bool (True: visible; packed documents,
+        :func:`~lightning_mtp.layers.document_mask`), default causal over these T tokens.
         """
         x = self.block_input(hidden, token_embedding)  # (B, T, H)
         batch, length = x.shape[:2]
+        if mask is not None and mask.dtype == torch.bool:
+            mask = additive(mask, x.dtype)  # every transformers kernel that takes a 4-D mask (eager, sdpa) adds it
         if positions is None:
             positions = torch.arange(length, device=x.device).expand(batch, length)  # (B, T)
         if cache is not None and hasattr(cache, "step"):
