@@ -9,6 +9,7 @@ never a silent mismatch. Resuming a *fit* across such a mismatch is refused, bec
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +64,16 @@ def mtp_metadata(module: Any) -> dict:
         "depth_weights": [float(w) for w in module.mtp_depth_weights],
         "active_depth": int(module.mtp_active_depth),
         "draft_temperatures": [float(t) for t in module.mtp_draft_temperatures],
+        **trunk_config(module),
     }
+
+
+def trunk_config(module: Any) -> dict:
+    """``{"trunk_config": {...}}``, the ``transformers`` config of a module's trunk in plain types, so a checkpoint
+    that holds the trunk's weights rebuilds the model without the folder it was loaded from; ``{}`` otherwise."""
+    config = getattr(getattr(module, "trunk", None), "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return {"trunk_config": json.loads(to_json(use_diff=False))} if callable(to_json) else {}
 
 
 def _is_mtp_key(key: str) -> bool:

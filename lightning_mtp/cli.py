@@ -138,7 +138,8 @@ class MTPLightningCLI(LightningCLI):
                 else f"{subcommand} runs the checkpoint's model: drop the flag (or remove the setting from the config)"
             )
             raise ValueError(ckpt_rules.describe_conflicts(found, "the checkpoint", advice))
-        plain = {k: v for k, v in hparams.items() if k not in ckpt_rules.MODEL_KEYS_NOT_FROM_CHECKPOINT}
+        plain = {k: v for k, v in ckpt_rules.without_missing_folder(checkpoint, hparams).items()
+                 if k not in ckpt_rules.MODEL_KEYS_NOT_FROM_CHECKPOINT}
         recorded = ckpt_rules.recorded_model_class(checkpoint)
         class_path = recorded or self.config[subcommand].model.class_path
         if recorded is None:
@@ -171,6 +172,8 @@ class MTPLightningCLI(LightningCLI):
                 advice += "; a resumed fit also keeps the data it was trained on"
             raise ValueError(ckpt_rules.describe_conflicts(found, source, advice))
         taken = ckpt_rules.data_settings(record, ckpt_rules.TOKENIZER_SETTINGS + tuple(defaults))
+        if record.get("kind") not in ("bpe", "byte"):  # a model folder's: rebuilt from the record, not the path
+            taken.pop("data.tokenizer", None)
         init_args = {key.split(".", 1)[1]: value for key, value in taken.items()
                      if not ckpt_rules.is_given(key, given)}
         if init_args:
@@ -186,7 +189,7 @@ class MTPLightningCLI(LightningCLI):
         super().instantiate_classes()
         record = getattr(self, "_tokenizer_record", None)
         if record is not None and hasattr(self.datamodule, "use_tokenizer"):
-            from lightning_mtp.data.tokenizers import tokenizer_from_spec
+            from lightning_mtp.data.tokenizer_choice import tokenizer_from_spec
 
             self.datamodule.use_tokenizer(tokenizer_from_spec(record))
         self._apply_generation_settings()

@@ -30,7 +30,8 @@ TOKENIZER_SETTINGS = ("tokenizer", "vocab_size")
 """Data settings that choose the tokenizer; with a checkpoint, the checkpoint's tokenizer is used unless these ask
 for another one, which is refused."""
 
-EVAL_DATA_SETTINGS = ("corpus", "max_bytes", "seed", "val_fraction", "suffixes", "seq_len")
+EVAL_DATA_SETTINGS = ("corpus", "max_bytes", "seed", "val_fraction", "suffixes", "seq_len", "text_field",
+                      "messages_field", "train_on", "packing")
 """Data settings that default to the checkpoint's for predict/validate/test (held-out prompts and validation
 windows come from the training run's own split); given ones may point elsewhere."""
 
@@ -238,3 +239,21 @@ def refuse_other_model_class(checkpoint: Mapping[str, Any], class_path: str, sou
         f"{source} {what}, not a {name}: its settings {stray[:4]} are not {name}'s. Select its class with {select} "
         "(on the command line, after --config)"
     )
+
+
+def without_missing_folder(checkpoint: Mapping[str, Any], hparams: dict) -> dict:
+    """``hparams`` to rebuild the model from the checkpoint alone when it was loaded from a model folder
+    (``pretrained``) that no longer exists: the trunk is then built from the config the checkpoint records
+    (``checkpoint["mtp"]["trunk_config"]``) and gets the checkpoint's weights. Unchanged when the folder exists, or
+    when the checkpoint lacks the trunk's weights or its config (a frozen trunk's heads-only checkpoint: the folder
+    is needed, and its absence is reported by the model)."""
+    folder = hparams.get("pretrained")
+    config = (checkpoint.get("mtp") or {}).get("trunk_config")
+    has_trunk = any(key.startswith("trunk.") for key in checkpoint.get("state_dict") or {})
+    if not folder or Path(str(folder)).is_dir() or not config or not has_trunk:
+        return hparams
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(f"the model folder {folder} is gone: the trunk is rebuilt from the checkpoint's config and weights")
+    config = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
+    return {**hparams, "pretrained": None, "model_type": config.pop("model_type"), "config": config}

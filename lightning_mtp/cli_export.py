@@ -8,7 +8,8 @@ Example::
 The folder holds the trunk, its config with ``num_nextn_predict_layers`` and the MTP layers under
 ``model.layers.{N+k}.*`` (:mod:`lightning_mtp.native.export`, which also explains when ``transformers`` needs
 ``lightning_mtp.native.register_mtp_patterns`` on the loaded model), with each MTP layer's copies of the embedding and
-head that vLLM loads (``--no_serving_copies`` leaves them out).
+head that vLLM loads (``--no_serving_copies`` leaves them out), and the tokenizer the checkpoint was trained with
+(``tokenizer.json``, ``tokenizer_config.json``, its chat template), so the folder is complete.
 
 ``--out`` is written whole or not at all: the export goes to a temporary folder beside it (same parent, so the move
 is a rename) that takes ``--out``'s place once complete; a failed export removes it and leaves ``--out`` as it was. A
@@ -35,7 +36,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from lightning_mtp.checkpointing import read_checkpoint
-from lightning_mtp.cli_checkpoint import checkpoint_model_class
+from lightning_mtp.cli_checkpoint import checkpoint_model_class, without_missing_folder
+from lightning_mtp.data.tokenizer_choice import save_for_transformers
 from lightning_mtp.finite import check_finite_state_dict
 
 SUPPORTED = ("lightning-mtp export writes only an HFCausalLM with native MTP layers (--model.mtp.layout native) of a "
@@ -183,9 +185,16 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
     checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
     check_finite_state_dict(checkpoint.get("state_dict") or {}, f"--ckpt_path {ckpt_path}")
     cls = model_class(checkpoint)
-    module = cls.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    rebuilt = {k: v for k, v in without_missing_folder(checkpoint, hparams).items() if hparams.get(k) != v}
+    module = cls.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, **rebuilt)
     check_exportable(module)  # before any folder is made
-    write_whole(target, lambda folder: module.save_pretrained(folder, serving_copies=serving_copies, shown_as=out))
+    def write(folder: str) -> None:
+        module.save_pretrained(folder, serving_copies=serving_copies, shown_as=out)
+        if module.mtp_tokenizer:  # the tokenizer the weights were trained with, so the folder is complete
+            save_for_transformers(module.mtp_tokenizer, folder)
+
+    write_whole(target, write)
     return out
 
 

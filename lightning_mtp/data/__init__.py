@@ -19,7 +19,8 @@ from lightning_mtp.data.corpus import (
 from lightning_mtp.data.datamodule import TextDataModule, tokenize_documents
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
 from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
-from lightning_mtp.data.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, tokenizer_from_spec
+from lightning_mtp.data.tokenizer_choice import build_tokenizer, tokenizer_from_spec
+from lightning_mtp.data.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer
 
 __all__ = [
     "BPETokenizer",

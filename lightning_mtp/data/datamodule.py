@@ -44,23 +44,21 @@ from lightning_mtp.data.corpus import (
     plan_splits,
 )
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
+from lightning_mtp.data.pretrained_tokenizer import check_tokenizer_path, is_tokenizer_path
 from lightning_mtp.data.prompts import (
     PROMPTS_FLAG,
     PromptCollator,
     PromptDataset,
+    chat_prompt,
     check_prompts_path,
     read_numbered_prompts,
 )
-from lightning_mtp.data.tokenizers import (
-    TOKENIZER_KINDS,
-    BPETokenizer,
-    Tokenizer,
-    build_tokenizer,
-    files_fingerprint,
-)
+from lightning_mtp.data.records import TRAIN_ON, RecordCorpus, RecordSettings, record_files
+from lightning_mtp.data.tokenizer_choice import build_tokenizer
+from lightning_mtp.data.tokenizers import TOKENIZER_KINDS, BPETokenizer, Tokenizer, files_fingerprint
 
 DATA_SETTINGS = ("tokenizer", "vocab_size", "corpus", "max_bytes", "seed", "val_fraction", "suffixes", "seq_len",
-                 "batch_size")
+                 "batch_size", "text_field", "messages_field", "train_on", "packing")
 """The init arguments that decide which tokens a fit saw; a checkpoint records them (``tokenizer_record``)."""
 
 _TOKENS_FORMAT_VERSION = 1
@@ -117,8 +115,13 @@ class TextDataModule(L.LightningDataModule):
     many of its bytes are not UTF-8 (``corpus.UNDECODABLE_WARN_SHARE``).
 
     Args:
-        corpus: a directory, glob pattern or file; ``None`` uses the Python standard library's sources.
-        tokenizer: ``"bpe"`` (byte-level BPE trained on the train split) or ``"byte"`` (raw UTF-8 bytes).
+        corpus: ``None`` uses the Python standard library's sources; else a file, folder or glob. ``.jsonl``,
+            ``.json``, ``.parquet``, ``.csv`` and ``.txt`` files are read as records with ``datasets``
+            (:mod:`~lightning_mtp.data.records`: text or chat, packed or padded rows with labels); other files (source
+            code) are read whole, joined by EOS and cut into windows.
+        tokenizer: ``"bpe"`` (byte-level BPE trained on the train split), ``"byte"`` (raw UTF-8 bytes), a local
+            model folder or ``tokenizer.json`` (:mod:`~lightning_mtp.data.pretrained_tokenizer`), or ``None``: the
+            model folder's own when the model is loaded from one (``HFCausalLM(pretrained=DIR)``), else ``"bpe"``.
         vocab_size: BPE vocabulary size incl. special tokens (≥ 258); ignored by ``"byte"`` (always 258).
         seq_len: tokens per training window (≥ 2).
         batch_size: windows (or prompts) per batch.
@@ -132,12 +135,20 @@ class TextDataModule(L.LightningDataModule):
             held-out data.
         num_predict_prompts: how many held-out windows give prompts when ``predict_prompts`` is ``None``.
         prompt_tokens: how many tokens of each held-out window form its prompt (at most ``seq_len``).
+        text_field: the records' field holding a document's text.
+        messages_field: the records' field holding chat turns (``[{"role", "content"}, ...]``); records with it are
+            chat, rendered with the tokenizer's chat template.
+        train_on: ``"assistant"`` (only the tokens the chat template marks as generated) or ``"all"``; ``None``:
+            ``"assistant"`` for chat, ``"all"`` for text.
+        packing: pack documents into ``seq_len`` rows with ``position_ids`` restarting per document (``None``: for
+            text records, not for chat); ``False``: one record per row, right-padded with an ``attention_mask``.
+        num_proc: processes that tokenize records (``None``: up to 4, fewer for small data).
     """
 
     def __init__(
         self,
         corpus: Optional[str] = None,
-        tokenizer: str = "bpe",
+        tokenizer: Optional[str] = None,
         vocab_size: int = 4096,
         seq_len: int = 256,
         batch_size: int = 16,
@@ -150,11 +161,26 @@ class TextDataModule(L.LightningDataModule):
         predict_prompts: Optional[str] = None,
         num_predict_prompts: int = 8,
         prompt_tokens: int = 32,
+        text_field: str = "text",
+        messages_field: str = "messages",
+        train_on: Optional[str] = None,
+        packing: Optional[bool] = None,
+        num_proc: Optional[int] = None,
     ) -> None:
         super().__init__()
-        if tokenizer not in TOKENIZER_KINDS:
-            raise _fail("tokenizer", f"must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
-        if tokenizer == "bpe":
+        if is_tokenizer_path(tokenizer):
+            check_tokenizer_path(tokenizer)
+        elif tokenizer is not None and tokenizer not in TOKENIZER_KINDS:
+            raise _fail("tokenizer", f"must be one of {TOKENIZER_KINDS}, a local model folder or a tokenizer.json, "
+                                     f"got {tokenizer!r}")
+        if train_on is not None and train_on not in TRAIN_ON:
+            raise _fail("train_on", f"must be one of {TRAIN_ON} or null, got {train_on!r}")
+        for name, value in (("text_field", text_field), ("messages_field", messages_field)):
+            if not isinstance(value, str) or not value:
+                raise _fail(name, f"must be a field name, got {value!r}")
+        if num_proc is not None:
+            _check_int("num_proc", num_proc, 1)
+        if tokenizer in (None, "bpe"):
             BPETokenizer.check_vocab_size(vocab_size)
         _check_int("seq_len", seq_len, 2)
         _check_int("batch_size", batch_size, 1)
@@ -186,6 +212,11 @@ class TextDataModule(L.LightningDataModule):
         self.predict_prompts = predict_prompts
         self.num_predict_prompts = num_predict_prompts
         self.prompt_tokens = prompt_tokens
+        self.num_proc = num_proc
+        files = record_files(corpus)
+        self.records: Optional[RecordCorpus] = None if files is None else RecordCorpus(
+            files, RecordSettings(text_field, messages_field, train_on, packing, seq_len, float(val_fraction), seed),
+            self.cache_dir)
 
         self._splits: Optional[tuple[list[FileSpan], list[FileSpan]]] = None
         self._tokenizer: Optional[Tokenizer] = None
@@ -209,11 +240,28 @@ class TextDataModule(L.LightningDataModule):
         return self._splits
 
     def load_tokenizer(self) -> Tokenizer:
-        """The tokenizer, built on first use: BPE is trained on the train split, or loaded from the cache."""
+        """The tokenizer, built on first use: BPE is trained on the train split, or loaded from the cache; unset, the
+        model folder's own (see ``tokenizer``)."""
         if self._tokenizer is None:
-            train = self.corpus_splits()[0] if self.tokenizer_kind == "bpe" else []
-            self._tokenizer = build_tokenizer(self.tokenizer_kind, train, self.requested_vocab_size, self.cache_dir)
+            if self.tokenizer_kind is None:
+                self.tokenizer_kind = self._model_folder() or "bpe"
+            if self.tokenizer_kind == "bpe" and self.records is not None:
+                self._tokenizer = BPETokenizer.train(self.records.files, self.requested_vocab_size, self.cache_dir,
+                                                     texts=self.records.training_texts)
+            else:
+                train = self.corpus_splits()[0] if self.tokenizer_kind == "bpe" else []
+                self._tokenizer = build_tokenizer(self.tokenizer_kind, train, self.requested_vocab_size,
+                                                  self.cache_dir)
         return self._tokenizer
+
+    def _model_folder(self) -> Optional[str]:
+        """The local folder the trainer's model was loaded from, when it holds a tokenizer."""
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        folder = getattr(module, "pretrained", None)
+        if isinstance(folder, str) and Path(folder).is_dir() and (
+                (Path(folder) / "tokenizer.json").is_file() or (Path(folder) / "tokenizer_config.json").is_file()):
+            return folder
+        return None
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -235,7 +283,7 @@ class TextDataModule(L.LightningDataModule):
         if self.train_dataset is not None or self._token_dir is not None:
             raise RuntimeError("TextDataModule.use_tokenizer must be called before prepare_data/setup")
         self._tokenizer = tokenizer
-        self.tokenizer_kind = tokenizer.kind
+        self.tokenizer_kind = tokenizer.kind if tokenizer.kind in TOKENIZER_KINDS else self.tokenizer_kind
 
     def tokenizer_record(self) -> dict:
         """The tokenizer itself and the data settings it was built with, in plain types, for checkpoints."""
@@ -285,6 +333,9 @@ class TextDataModule(L.LightningDataModule):
         Does nothing beyond hashing file metadata when the cache is already there. Lightning calls it on one process
         per node; ``setup`` calls it too when it has not run in this process.
         """
+        if self.records is not None:
+            self.records.build(self.load_tokenizer(), self.num_proc)
+            return
         self._token_dir = self._prepare()
 
     def _prepare(self) -> Path:
@@ -330,6 +381,10 @@ class TextDataModule(L.LightningDataModule):
     def _setup_windows(self) -> None:
         if self.train_dataset is not None:
             return
+        if self.records is not None:
+            self.records.build(self.load_tokenizer(), self.num_proc)
+            self.train_dataset, self.val_dataset = self.records.train_rows, self.records.val_rows
+            return
         out = self._token_dir or self._prepare()
         train = np.load(out / "train.npy", mmap_mode="r")
         val = np.load(out / "val.npy", mmap_mode="r")
@@ -350,6 +405,8 @@ class TextDataModule(L.LightningDataModule):
     # ----------------------------------------------------------------- loaders
 
     def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool = False, **kwargs: Any) -> DataLoader:
+        if self.records is not None and "collate_fn" not in kwargs:
+            kwargs["collate_fn"] = self.records.collate(dataset, self.pad_id)
         options = dict(
             batch_size=self.batch_size,
             drop_last=drop_last,
@@ -405,8 +462,15 @@ class TextDataModule(L.LightningDataModule):
     def _read_prompts(self) -> PromptDataset:
         tokenizer = self.load_tokenizer()
         if self.predict_prompts is not None:
-            lines, texts = zip(*read_numbered_prompts(self.predict_prompts))
-            return PromptDataset(tokenizer.encode_batch(list(texts)), texts, lines)
+            lines, prompts = zip(*read_numbered_prompts(self.predict_prompts))
+            ids = [chat_prompt(tokenizer, p, self.predict_prompts, line) if isinstance(p, list)
+                   else tokenizer.encode_prompt(p) for line, p in zip(lines, prompts)]
+            texts = [tokenizer.decode(i, skip_special_tokens=False) if isinstance(p, list) else p
+                     for i, p in zip(ids, prompts)]
+            return PromptDataset(ids, texts, lines)
+        if self.records is not None:
+            return PromptDataset(*self.records.held_out_prompts(tokenizer, self.num_predict_prompts,
+                                                                self.prompt_tokens))
         self._setup_windows()
         count = min(self.num_predict_prompts, len(self.val_dataset))
         length = min(self.prompt_tokens, self.seq_len)

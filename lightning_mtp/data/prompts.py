@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -132,10 +132,12 @@ def decode_prompts_file(data: bytes, path: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def read_numbered_prompts(path: str) -> list[tuple[int, str]]:
+def read_numbered_prompts(path: str) -> list[tuple[int, Union[str, list[dict]]]]:
     """``(line number, prompt)`` pairs of a ``.txt`` file (one prompt per line; ``\\n``, ``\\t`` and ``\\\\``
-    escapes decoded) or a ``.jsonl`` file (one ``{"prompt": "..."}`` per line). Lines are split at ``\\n`` (a
-    trailing ``\\r`` dropped) and numbered from 1 as in an editor; blank lines (and blank prompts) are skipped.
+    escapes decoded) or a ``.jsonl`` file (one ``{"prompt": "..."}`` per line, or a chat ``{"messages": [{"role",
+    "content"}, ...]}``, which comes back as its list of turns, to be rendered with the chat template). Lines are split
+    at ``\\n`` (a trailing ``\\r`` dropped) and numbered from 1 as in an editor; blank lines (and blank prompts) are
+    skipped.
 
     Raises:
         ValueError: naming ``--data.predict_prompts`` when the file is missing, a folder, not UTF-8, malformed or has
@@ -157,23 +159,40 @@ def read_numbered_prompts(path: str) -> list[tuple[int, str]]:
         if not line.strip():
             continue
         prompt = _jsonl_prompt(line, path, number) if jsonl else _unescape(line)
-        if prompt.strip():
+        if prompt if isinstance(prompt, list) else prompt.strip():
             prompts.append((number, prompt))
     if not prompts:
         raise ValueError(f"{PROMPTS_FLAG}: prompts file {path!r} has no (non-blank) prompts; write one prompt a line")
     return prompts
 
 
-def _jsonl_prompt(line: str, path: str, number: int) -> str:
+def _jsonl_prompt(line: str, path: str, number: int) -> Union[str, list[dict]]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"{PROMPTS_FLAG}: {path}:{number} is not valid JSON ({err.msg})") from None
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        turns = record["messages"]
+        if all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+               for t in turns):
+            return turns
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt", got {line[:80]!r}')
+        raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt" or a chat '
+                         f'"messages" list of {{"role", "content"}} turns, got {line[:80]!r}')
     return record["prompt"]
 
 
-def read_prompts_file(path: str) -> list[str]:
+def chat_prompt(tokenizer: Any, messages: list[dict], path: str, line: int) -> list[int]:
+    """A chat prompt's ids: ``messages`` rendered with the tokenizer's chat template and its generation prompt (the
+    assistant's turn opens), as the model saw chats in training."""
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None or getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{PROMPTS_FLAG}: {path}:{line} is a chat prompt, and the tokenizer "
+                         f"{getattr(tokenizer, 'name', '?')} has no chat template: use text prompts "
+                         '({"prompt": "..."}), or a model trained with a tokenizer that has one')
+    return render(messages, generation_prompt=True)[0]
+
+
+def read_prompts_file(path: str) -> list[Union[str, list[dict]]]:
     """The prompts of a ``.txt`` or ``.jsonl`` file, without their line numbers (see ``read_numbered_prompts``)."""
     return [prompt for _, prompt in read_numbered_prompts(path)]

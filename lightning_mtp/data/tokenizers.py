@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Optional, Union
 
@@ -82,11 +82,16 @@ class Tokenizer(ABC):
         """Encode many texts at once (parallel where the implementation allows)."""
         return [self.encode(t) for t in texts]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as a document starts in training (a pretrained tokenizer adds its model's BOS)."""
+        return self.encode(text)
+
     def spec(self) -> dict:
         """The tokenizer itself as plain types (``tokenizer_from_spec`` rebuilds it), so a checkpoint can carry it.
 
         Example::
 
+            >>> from lightning_mtp.data.tokenizer_choice import tokenizer_from_spec
             >>> tokenizer_from_spec(ByteTokenizer().spec()).fingerprint
             'byte-v1'
         """
@@ -241,9 +246,9 @@ class BPETokenizer(Tokenizer):
             )
 
     @classmethod
-    def train_from_texts(cls, texts: Sequence[str], vocab_size: int) -> BPETokenizer:
-        """Train on in-memory texts (no caching). The result may have fewer than ``vocab_size`` ids when the
-        texts do not offer enough merges."""
+    def train_from_texts(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Train on texts (no caching; a sequence or a stream). The result may have fewer than ``vocab_size`` ids
+        when the texts do not offer enough merges."""
         cls.check_vocab_size(vocab_size)
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -254,7 +259,7 @@ class BPETokenizer(Tokenizer):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        hf.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        hf.train_from_iterator(texts, trainer=trainer, length=len(texts) if isinstance(texts, Sequence) else None)
         return cls(hf)
 
     @staticmethod
@@ -281,6 +286,7 @@ class BPETokenizer(Tokenizer):
         files: Sequence[CorpusItem],
         vocab_size: int,
         cache_dir: Optional[PathLike] = None,
+        texts: Optional[Callable[[], Iterable[str]]] = None,
     ) -> BPETokenizer:
         """Train on the files' text, or load the tokenizer cached for exactly these files and settings.
 
@@ -288,6 +294,8 @@ class BPETokenizer(Tokenizer):
             files: training files or ``FileSpan``s (the train split only, so held-out text stays unseen).
             vocab_size: requested vocabulary size, special tokens included (``--data.vocab_size``).
             cache_dir: where trained tokenizers are kept; ``None`` disables caching.
+            texts: what to train on instead of the files' raw text (records: their train split's text fields);
+                the files still key the cache.
         """
         cls.check_vocab_size(vocab_size)
         if not files:
@@ -295,7 +303,7 @@ class BPETokenizer(Tokenizer):
         path = None if cache_dir is None else cls.cache_path(files, vocab_size, cache_dir)
         if path is not None and path.is_file():
             return cls.load(path)
-        tok = cls.train_from_texts(read_texts(files), vocab_size)
+        tok = cls.train_from_texts(read_texts(files) if texts is None else texts(), vocab_size)
         if path is not None:
             tok.save(path)
         return tok
@@ -308,48 +316,3 @@ class BPETokenizer(Tokenizer):
     def save(self, path: PathLike) -> None:
         """Write the tokenizer as JSON (atomically, so concurrent readers never see a partial file)."""
         atomic_write(Path(path), lambda fh: fh.write(self._hf.to_str().encode("utf-8")))
-
-
-def build_tokenizer(
-    kind: str,
-    files: Sequence[CorpusItem] = (),
-    vocab_size: int = 4096,
-    cache_dir: Optional[PathLike] = None,
-) -> Tokenizer:
-    """The tokenizer named by ``--data.tokenizer``: ``"byte"`` (``files``/``vocab_size`` unused) or ``"bpe"``
-    (trained on ``files``, cached under ``cache_dir``).
-
-    Example::
-
-        >>> build_tokenizer("byte").vocab_size
-        258
-        >>> build_tokenizer("wordpiece")
-        Traceback (most recent call last):
-        ...
-        ValueError: --data.tokenizer must be one of ('byte', 'bpe'), got 'wordpiece'
-    """
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "bpe":
-        return BPETokenizer.train(files, vocab_size, cache_dir)
-    raise ValueError(f"--data.tokenizer must be one of {TOKENIZER_KINDS}, got {kind!r}")
-
-
-def tokenizer_from_spec(spec: dict) -> Tokenizer:
-    """Rebuild the tokenizer that :meth:`Tokenizer.spec` described (e.g. the one a checkpoint was trained with).
-
-    Raises:
-        ValueError: when the spec is not one (unknown kind, or a BPE spec without its JSON), or the rebuilt tokenizer
-            does not map text to the same ids as the described one (its fingerprint differs).
-    """
-    kind = spec.get("kind") if isinstance(spec, dict) else None
-    if kind == "byte":
-        tokenizer: Tokenizer = ByteTokenizer()
-    elif kind == "bpe" and isinstance(spec.get("json"), str):
-        tokenizer = BPETokenizer(HFTokenizer.from_str(spec["json"]))
-    else:
-        raise ValueError(f"not a tokenizer description (kind {kind!r}); expected one written by Tokenizer.spec()")
-    if spec.get("fingerprint") not in (None, tokenizer.fingerprint):
-        raise ValueError(f"the rebuilt {tokenizer.name} tokenizer does not match its description (fingerprint "
-                         f"{tokenizer.fingerprint[:12]} != {str(spec['fingerprint'])[:12]})")
-    return tokenizer

@@ -1,0 +1,84 @@
+"""``configs/finetune.yaml`` as a user runs it: a local model folder (its own tokenizer, chat template included) and a
+JSONL file of chats or texts, through ``lightning-mtp fit`` -> ``predict`` (chat prompts) -> ``export``, with the
+model folder moved away after the fit: the checkpoint carries the tokenizer and rebuilds the model alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import REPO  # noqa: E402
+from model_folders import chat_records, model_folder, text_records, write_jsonl  # noqa: E402
+
+from lightning_mtp.cli import main  # noqa: E402
+
+
+def finetune_args(workdir, folder, corpus, *extra: str) -> list[str]:
+    return ["fit", "--config", os.path.join(REPO, "configs", "finetune.yaml"),
+            "--model.init_args.pretrained", str(folder), "--data.init_args.corpus", str(corpus),
+            "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir),
+            "--trainer.logger", "false", "--trainer.callbacks.init_args.dirpath", str(workdir / "ckpt"),
+            "--data.init_args.seq_len", "96", "--data.init_args.batch_size", "4", "--data.init_args.num_proc", "1",
+            "--data.init_args.cache_dir", str(workdir / "cache"), "--model.init_args.learning_rate", "1e-3", *extra]
+
+
+def predict(workdir, ckpt, prompts, *extra: str) -> list[dict]:
+    out = workdir / "predictions"
+    main(["predict", "--config", os.path.join(REPO, "configs", "predict.yaml"), "--ckpt_path", str(ckpt),
+          "--data.init_args.predict_prompts", str(prompts), "--trainer.callbacks.init_args.output_dir", str(out),
+          "--trainer.enable_progress_bar", "false", "--model.init_args.generation.max_new_tokens", "6", *extra])
+    return [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+
+
+def chat_prompts(path):
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a function f7 returning x plus 7."}]})
+                    + "\n" + json.dumps({"prompt": "def g(x):"}) + "\n", encoding="utf-8")
+    return path
+
+
+def test_chat_finetune_then_predict_from_the_checkpoint_alone(tmp_path):
+    folder = model_folder(tmp_path / "model")
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "chat.jsonl", chat_records(40))))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=True)
+    assert checkpoint["tokenizer"]["kind"] == "pretrained" and checkpoint["tokenizer"]["chat_template"]
+    shutil.move(str(folder), str(tmp_path / "elsewhere"))  # predict needs nothing but the checkpoint
+
+    rows = predict(tmp_path / "run", ckpt, chat_prompts(tmp_path / "prompts.jsonl"))
+    assert [row["prompt"].startswith("<|im_start|>user") for row in rows] == [True, False]
+    from lightning_mtp.data import tokenizer_from_spec
+
+    tokenizer = tokenizer_from_spec(checkpoint["tokenizer"])
+    for row in rows:  # texts decoded with the checkpoint's tokenizer
+        assert row["completion"] == tokenizer.decode(row["tokens"]) and len(row["tokens"]) <= 6
+
+
+def test_text_finetune_packs_documents(tmp_path):
+    folder = model_folder(tmp_path / "model")
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(60))))
+    checkpoint = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 4 and checkpoint["tokenizer"]["data"]["packing"] is None
+
+
+def test_native_layers_are_fine_tuned_and_exported_with_the_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model_folder(tmp_path / "glm", family="glm4_moe", mtp_layers=1)
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "chat.jsonl", chat_records(40))))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert any(key.startswith("mtp_modules.0.") for key in state)
+    shutil.move(str(folder), str(tmp_path / "elsewhere"))
+
+    main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")])
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    assert exported.config.num_nextn_predict_layers == 1
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    assert tokenizer.chat_template and len(tokenizer) == 320

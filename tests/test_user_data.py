@@ -1,0 +1,250 @@
+"""The user's own data with the model's own tokenizer: records files read with ``datasets``, chat rendered with the
+tokenizer's template and masked as ``transformers`` masks it, documents packed with restarting positions, and the
+refusals (missing field, empty corpus, template without generation marks, tokenizer larger than the model, hub ids).
+
+The model folders are built here (``tests/model_folders.py``): a BPE wrapped as ``PreTrainedTokenizerFast`` with a
+ChatML template that marks the assistant's tokens, saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from model_folders import (  # noqa: E402
+    PLAIN_TEMPLATE,
+    chat_records,
+    model_folder,
+    text_records,
+    tokenizer_folder,
+    write_jsonl,
+)
+from transformers import AutoTokenizer  # noqa: E402
+
+from lightning_mtp.data import TextDataModule  # noqa: E402
+from lightning_mtp.data.pretrained_tokenizer import load_pretrained_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+
+
+def datamodule(corpus, tokenizer, tmp_path, **kwargs) -> TextDataModule:
+    settings = dict(seq_len=48, batch_size=4, cache_dir=str(tmp_path / "cache"), num_proc=1, val_fraction=0.1)
+    settings.update(kwargs)
+    return TextDataModule(corpus=str(corpus), tokenizer=str(tokenizer), **settings)
+
+
+def all_rows(dataset) -> list[dict]:
+    return [dataset[i] for i in range(len(dataset))]
+
+
+# ----------------------------------------------------------------------------------------------- text records
+def test_text_records_are_packed_with_positions_restarting_per_document(tok_dir, tmp_path):
+    records = text_records(30)
+    corpus = write_jsonl(tmp_path / "code.jsonl", records)
+    dm = datamodule(corpus, tok_dir, tmp_path)
+    dm.setup("fit")
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    train_texts = [r["text"] for r in records if r["text"] in set(dm.records.splits()[0]["text"])]
+    stream = [i for text in train_texts for i in hf(text)["input_ids"] + [hf.eos_token_id]]
+    rows = all_rows(dm.train_dataset)
+    assert [int(i) for row in rows for i in row["input_ids"]] == stream[: len(rows) * 48]  # in order, nothing lost
+    for row in rows:
+        assert torch.equal(row["labels"], row["input_ids"])  # text: every token trained
+    positions = torch.cat([row["position_ids"] for row in rows])  # (N,)
+    starts = torch.cat([torch.tensor([0]), torch.cumsum(torch.tensor([len(hf(t)["input_ids"]) + 1
+                                                                       for t in train_texts]), 0)[:-1]])
+    for index in range(len(positions)):  # the position is the offset in its document, restarting at each row
+        document_start = int(starts[starts <= index].max())
+        assert int(positions[index]) == index - max(document_start, index - index % 48)
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape == (4, 48)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".txt"])
+def test_parquet_csv_and_text_files_give_the_same_rows_as_jsonl(tok_dir, tmp_path, suffix):
+    import datasets
+
+    records = text_records(30)
+    reference = datamodule(write_jsonl(tmp_path / "a" / "code.jsonl", records), tok_dir, tmp_path / "a")
+    if suffix == ".txt":
+        folder = tmp_path / "b"
+        folder.mkdir()
+        for i, record in enumerate(records):  # one document per file
+            (folder / f"{i:03d}.txt").write_text(record["text"], encoding="utf-8")
+        corpus = str(folder / "*.txt")
+    else:
+        corpus = tmp_path / "b" / f"code{suffix}"
+        corpus.parent.mkdir()
+        table = datasets.Dataset.from_list(records)
+        table.to_parquet(str(corpus)) if suffix == ".parquet" else table.to_csv(str(corpus), index=False)
+    other = datamodule(corpus, tok_dir, tmp_path / "b")
+    reference.setup("fit")
+    other.setup("fit")
+    assert len(other.train_dataset) + len(other.val_dataset) >= 1
+    tokens = lambda dm: sorted(int(i) for row in all_rows(dm.train_dataset) + all_rows(dm.val_dataset)  # noqa: E731
+                               for i in row["input_ids"])
+    if suffix != ".txt":  # same records, same split: the same tokens
+        assert tokens(other) == tokens(reference)
+    else:
+        assert set(tokens(other)) <= set(tokens(reference)) | {other.eos_id}
+
+
+# ----------------------------------------------------------------------------------------------- chat records
+def test_chat_labels_equal_the_templates_assistant_mask(tok_dir, tmp_path):
+    records = chat_records(30)
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", records), tok_dir, tmp_path, seq_len=128)
+    dm.setup("fit")
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    by_ids = {}
+    for record in records:
+        out = hf.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        by_ids[tuple(out["input_ids"])] = [i if m else -100 for i, m in zip(out["input_ids"], out["assistant_masks"])]
+    rows = all_rows(dm.train_dataset)
+    assert rows and dm.records.packed is False  # chat: one conversation per row
+    for row in rows:
+        expected = by_ids[tuple(row["input_ids"].tolist())]
+        assert row["labels"].tolist() == expected
+        assert -100 in expected and any(label != -100 for label in expected)
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    assert ((batch["attention_mask"] == 0) <= (batch["labels"] == -100)).all()  # padding is never trained
+
+
+def test_packed_chat_restarts_positions_per_conversation(tok_dir, tmp_path):
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(30)), tok_dir, tmp_path, packing=True,
+                    seq_len=128)
+    dm.setup("fit")
+    row = dm.train_dataset[0]
+    starts = (row["position_ids"] == 0).nonzero().flatten().tolist()
+    assert len(starts) >= 2 and starts[0] == 0  # several conversations in one row
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    start_token = hf.convert_tokens_to_ids("<|im_start|>")
+    assert all(int(row["input_ids"][s]) == start_token for s in starts[1:])  # each restart opens a conversation
+
+
+def test_train_on_all_trains_every_chat_token(tok_dir, tmp_path):
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(20)), tok_dir, tmp_path, train_on="all")
+    dm.setup("fit")
+    for row in all_rows(dm.train_dataset):
+        assert torch.equal(row["labels"], row["input_ids"])
+
+
+def test_the_tokenized_records_are_cached(tok_dir, tmp_path, monkeypatch):
+    corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(20))
+    datamodule(corpus, tok_dir, tmp_path).setup("fit")
+    import lightning_mtp.data.records as records
+
+    monkeypatch.setattr(records._ChatEncoder, "__call__", lambda *a: pytest.fail("tokenized again"))
+    dm = datamodule(corpus, tok_dir, tmp_path)
+    dm.setup("fit")
+    assert len(dm.train_dataset) > 0
+
+
+def test_chat_prompts_are_rendered_with_the_generation_prompt(tok_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write f."}]}) + "\n"
+                       + json.dumps({"prompt": "def g(x):"}) + "\n", encoding="utf-8")
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(20)), tok_dir, tmp_path,
+                    predict_prompts=str(prompts))
+    dm.setup("predict")
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    chat = hf.apply_chat_template([{"role": "user", "content": "Write f."}], tokenize=True, add_generation_prompt=True)
+    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    assert dm.prompt_dataset().prompts == [list(chat), hf("def g(x):", add_special_tokens=True)["input_ids"]]
+    assert dm.prompt_dataset().lines == [1, 2]
+
+
+def test_the_checkpoint_record_rebuilds_the_tokenizer_without_its_folder(tok_dir, tmp_path):
+    from lightning_mtp.data import tokenizer_from_spec
+
+    record = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(10)), tok_dir, tmp_path).tokenizer_record()
+    assert json.loads(json.dumps(record)) == record  # plain types: a checkpoint can carry it
+    rebuilt = tokenizer_from_spec(record)
+    original = load_pretrained_tokenizer(str(tok_dir))
+    messages = chat_records(1)[0]["messages"]
+    assert rebuilt.fingerprint == original.fingerprint
+    assert rebuilt.render_chat(messages, assistant_mask=True) == original.render_chat(messages, assistant_mask=True)
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+def test_records_without_the_field_are_refused_naming_the_fields(tok_dir, tmp_path):
+    bodies = [{"body": record["text"]} for record in text_records(30)]
+    dm = datamodule(write_jsonl(tmp_path / "x.jsonl", bodies), tok_dir, tmp_path)
+    with pytest.raises(ValueError, match=r"neither a 'text' field \(--data.text_field\) nor a 'messages' field "
+                                         r"\(--data.messages_field\); their fields are \['body'\]"):
+        dm.setup("fit")
+    dm = datamodule(tmp_path / "x.jsonl", tok_dir, tmp_path, text_field="body")
+    dm.setup("fit")  # named: fine
+
+
+def test_an_empty_corpus_is_refused(tok_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"--data.corpus"):
+        datamodule(empty, tok_dir, tmp_path).setup("fit")
+    blanks = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}, {"text": ""}])
+    with pytest.raises(ValueError, match=r"--data.corpus: no training record has a token to train on"):
+        datamodule(blanks, tok_dir, tmp_path).setup("fit")
+
+
+def test_a_template_without_generation_marks_is_refused_for_assistant_training(tmp_path):
+    folder = tokenizer_folder(tmp_path / "plain", template=PLAIN_TEMPLATE)
+    corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(10))
+    with pytest.raises(ValueError, match=r"--data.train_on assistant: the chat template does not mark .*"
+                                         r"\{% generation %\}.*--data.train_on all"):
+        datamodule(corpus, folder, tmp_path).setup("fit")
+    datamodule(corpus, folder, tmp_path, train_on="all").setup("fit")
+
+
+def test_chat_records_with_a_tokenizer_without_a_template_are_refused(tmp_path):
+    corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(10))
+    with pytest.raises(ValueError, match=r"--data.messages_field: .* has no chat template"):
+        TextDataModule(corpus=str(corpus), tokenizer="byte", seq_len=48, cache_dir=str(tmp_path / "c"),
+                       num_proc=1).setup("fit")
+
+
+@pytest.mark.parametrize("name, reason", [("Qwen/Qwen3-0.6B", "hub id, and lightning-mtp downloads nothing"),
+                                          ("no/such/folder", "is not an existing file or folder")])
+def test_a_tokenizer_that_is_not_local_is_refused_before_anything_is_read(name, reason):
+    with pytest.raises(ValueError, match=rf"--data.tokenizer '{name}' .*{reason}"):
+        TextDataModule(tokenizer=name)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_naming_both_sizes(tmp_path):
+    import lightning as L
+
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.models import HFCausalLM
+
+    folder = model_folder(tmp_path / "model", vocab_size=320)
+    small = HFCausalLM("llama", dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4), mtp=MTPConfig(depth=1))
+    dm = datamodule(write_jsonl(tmp_path / "code.jsonl", text_records(20)), folder, tmp_path)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"the data's vocabulary \(\d+ tokens.*\) is larger than the model's \(300"):
+        trainer.fit(small, dm)
+
+
+def test_the_model_folders_tokenizer_is_the_default(tmp_path):
+    import lightning as L
+
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.models import HFCausalLM
+
+    folder = model_folder(tmp_path / "model")
+    model = HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=1))
+    dm = TextDataModule(corpus=str(write_jsonl(tmp_path / "chat.jsonl", chat_records(12))), seq_len=64,
+                        batch_size=4, cache_dir=str(tmp_path / "cache"), num_proc=1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, dm)
+    assert dm.tokenizer.fingerprint == load_pretrained_tokenizer(str(folder)).fingerprint
+    assert model.mtp_tokenizer["kind"] == "pretrained"
