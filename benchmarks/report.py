@@ -632,6 +632,106 @@ def render_distill_acceptance(source: Source) -> list[str]:
     ]
 
 
+# ----------------------------------------------------------------------------------------------- finetune_acceptance.py
+FINETUNES = {
+    "base": "base model, before fine-tuning (trained on plain text)",
+    "mtp_frozen": "fine-tuned, MTP layers frozen",
+    "joint": "fine-tuned, trunk and MTP layers together (λ 0.1)",
+    "frozen_then_heads": "MTP frozen, then the MTP layers re-trained on the fine-tuned trunk",
+}
+
+
+def render_finetune_acceptance(source: Source) -> list[str]:
+    data = source.data
+    settings = data["settings"]
+    rows = [[FINETUNES.get(name, name), num(row["held_out_main_loss"], 3), num(row["accept_depth1"], 3),
+             num(row["tau"]), f"{num(row['speedup'])}×", num(row["equals_plain"]), str(row["training"]["steps"])]
+            for name, row in data["rows"].items()]
+    return [
+        "A glm4_moe with native MTP layers (the DeepSeek-V3 / GLM-4.5 layout) trained on plain text, then fine-tuned "
+        "on chat data (the standard library's documented functions: the user gives a signature and docstring, the "
+        "assistant answers with the source) three ways, assistant tokens only. **held-out main loss**: next-token "
+        "cross-entropy on held-out chats (lower is better); **accept depth 1**: the share of depth-1 drafts accepted "
+        "when decoding held-out prompts greedily; **τ**: tokens per main-model forward, the bonus token counted; "
+        "**speedup**: speculative (a chain of D drafts) over plain decoding of the same model, one prompt at a time "
+        "(above 1× is faster); **equals plain**: identical greedy output.", "",
+        f"- **Model and data:** D = {settings['depth']} native MTP layers, BPE {settings['vocab']}; base "
+        f"{settings['base_steps']} steps of {settings['batch']} × {settings['base_seq_len']} tokens on "
+        f"{settings['base_files']} standard-library files; {data['chats']} "
+        f"training chats, {settings['sft_steps']} fine-tuning steps (heads re-trained {settings['heads_steps']} "
+        f"steps), {settings['batch']} × {settings['seq_len']} tokens a step; {data['prompts']} held-out prompts, "
+        f"{settings['max_new_tokens']} new tokens each",
+        *provenance_lines(source, machine_text(data.get("machine")), command_text(data.get("command"))),
+        *table(["model", "held-out main loss", "accept depth 1", "τ", "speedup", "equals plain", "steps"], rows),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- decode_ablation.py
+def render_decode_ablation(source: Source) -> list[str]:
+    data = source.data
+    out = [
+        "`speculative=\"auto\"` with each of its mechanisms turned off in turn (`lightning_mtp.decoding.auto."
+        "SWITCHES`), against the whole policy, plain decoding and every fixed chain, greedy, on the same held-out "
+        "prompts; each row learns in its own memory during an untimed warm-up call, then is timed in interleaved "
+        "repeats (median). **vs auto**: tokens/s over the whole policy's (below 1×: the mechanism paid); a "
+        "mechanism stays only if turning it off costs at least 2% on some row.", "",
+    ]
+    for run in data.get("runs", []):
+        out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
+                   f"{command_text(run.get('command'))}")
+    out.append(f"- **Data:** {result_link(source.name)}")
+    out.append("")
+    verdicts = data.get("verdicts", {})
+    if verdicts:
+        out += table(["mechanism", "most its removal cost on a row", "verdict"],
+                     [[m, f"{100 * v:.1f}%", "kept" if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
+    for label in dict.fromkeys(r["model"] for r in data["rows"]):
+        for batch in sorted({r["batch_size"] for r in data["rows"] if r["model"] == label}):
+            rows = [r for r in data["rows"] if r["model"] == label and r["batch_size"] == batch]
+            out.append(f"**{label}, batch {batch}**")
+            out.append("")
+            out += table(["row", "tokens/s", "τ", "vs plain", "vs auto"],
+                         [[r["row"], num(r["tokens_per_s"], 1), num(r["tau"]), f"{num(r['vs_plain'])}×",
+                           f"{num(r['vs_auto'])}×"] for r in rows])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- decode_roofline.py
+def render_decode_roofline(source: Source) -> list[str]:
+    data = source.data
+    assumed = data["assumptions"]
+    out = [
+        "Predicted, not measured: step times of plain and speculative decoding on GPUs from an analytic model of "
+        "FLOPs and bytes (the larger of bytes over bandwidth and FLOPs over throughput, plus kernel launches), "
+        "expected tokens per step from per-depth acceptance, and what `auto`'s step-cost model and policy would "
+        "choose given those step times (`benchmarks/decode_roofline.py` states every assumption). "
+        "`scripts/gpu_check.sh` measures the same rows where a GPU is lent.", "",
+        f"- **Assumptions:** bf16 weights and cache; {num(100 * assumed['mbu'], 0)}% of peak bandwidth, "
+        f"{num(100 * assumed['mfu'], 0)}% of peak FLOPs; {num(assumed['launch_us'], 1)} µs per kernel launch, "
+        f"{assumed['launches_per_block']} per block; {assumed['context']} tokens of context per row; a second "
+        f"candidate accepted in {num(100 * data['second_candidate'], 0)}% of the remaining cases",
+        *(f"- **Acceptance, {name}:** {' / '.join(num(a, 2) for a in acc['per_depth'])} ({acc['source']})"
+          for name, acc in data["acceptance"].items()),
+        f"- **Command:** {command_text(data.get('command'))}",
+        f"- **Data:** {result_link(source.name)}", "",
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["model"], row["hardware"], row["batch_size"]), []).append(row)
+    rows = []
+    for (model, hardware, batch), group in groups.items():
+        plain = next(r for r in group if r["option"] == "plain")
+        best = max(group, key=lambda r: r["speedup"])
+        chosen = next((r for r in group if r.get("auto_would_choose")), plain)
+        depth = max(int(r["option"][5:]) for r in group if r["option"].startswith("chain")) - 1
+        chain = next(r for r in group if r["option"] == f"chain{depth}")
+        rows.append([model, hardware, str(batch), num(plain["step_ms"], 3), f"{num(chain['speedup'])}×",
+                     f"{best['option']} {num(best['speedup'])}×", f"{chosen['option']} {num(chosen['speedup'])}×"])
+    out += table(["model", "GPU", "batch", "plain step (ms)", "chain of D", "best option", "auto would choose"],
+                 rows)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- thin_linear.py
 def render_thin_linear(source: Source) -> list[str]:
     data = source.data
@@ -736,6 +836,10 @@ REGISTRY: dict[str, Entry] = {
     "validation_overhead.json": Entry("Validation cost of the monitoring callbacks", render_validation_overhead),
     "quality.json": Entry("Does MTP improve the main model?", render_quality),
     "distill_acceptance.json": Entry("Self-distillation and acceptance", render_distill_acceptance),
+    "finetune_acceptance.json": Entry("Fine-tuning on chat data: does acceptance survive?",
+                                      render_finetune_acceptance),
+    "decode_ablation.json": Entry("What each mechanism of auto is worth", render_decode_ablation),
+    "decode_roofline.json": Entry("Speculative decoding on GPUs, predicted", render_decode_roofline),
     "kernels.json": Entry("Kernels against their torch twins", render_kernels),
 }
 """Result file (relative to ``benchmarks/results``) → its section; sections appear in this order."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ def make_tiny_model():
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(REPO, "benchmarks"))  # benchmark helpers the tests share (model_folders); last in line
 
 
 def tiny_fit_args(workdir, *extra: str) -> list[str]:

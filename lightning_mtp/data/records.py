@@ -310,6 +310,27 @@ def _documents(records: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
             yield np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
 
 
+def warn_cut_records(records: Any, seq_len: int) -> None:
+    """Say how many records one row cannot hold (they are cut at ``seq_len``), and how many of those lose every
+    trained token (a chat whose answer starts after ``seq_len``)."""
+    lengths = np.asarray(records["length"])
+    cut = np.flatnonzero(lengths > seq_len)
+    if cut.size == 0:
+        return
+    lost = sum(1 for labels in records.select(cut.tolist())["labels"]
+               if all(label == IGNORE_INDEX for label in labels[:seq_len]))
+    if lost == len(lengths):
+        raise ValueError(f"--data.seq_len: every training record is longer than --data.seq_len={seq_len} and loses "
+                         f"every trained token when cut there (the longest has {int(lengths.max())} tokens): raise "
+                         "--data.seq_len, or pack them (--data.packing true)")
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(f"--data.seq_len: {cut.size} of {len(lengths)} training records are longer than "
+                   f"--data.seq_len={seq_len} and are cut there ({lost} of them lose every trained token); the "
+                   f"longest has {int(lengths.max())} tokens: raise --data.seq_len, or pack them "
+                   "(--data.packing true) to keep every token")
+
+
 class PackedRows(Dataset):
     """Rows of packed documents: ``{"input_ids", "labels", "position_ids"}``, each ``LongTensor[seq_len]``."""
 
@@ -436,6 +457,7 @@ class RecordCorpus:
         else:
             self.train_rows = RecordRows(self.tokenized.train, seq_len)
             self.val_rows = RecordRows(self.tokenized.val, seq_len)
+            warn_cut_records(self.tokenized.train, seq_len)
 
     def collate(self, rows: Dataset, pad_id: int) -> Optional[PadCollator]:
         """The collator ``rows`` need: none for packed rows (all ``seq_len`` long), else right padding."""

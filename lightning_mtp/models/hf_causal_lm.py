@@ -308,6 +308,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         if freeze_trunk:
             self.trunk.requires_grad_(False)
             self.trunk.eval()
+        else:
+            self.trunk.train()  # from_pretrained returns it in eval mode; a module starts in train mode
         # Plain types only (checkpoints load with weights_only=True). A wrapped or pretrained trunk is described by
         # its config, so load_from_checkpoint rebuilds the architecture and the state dict fills the weights.
         if pretrained is None:

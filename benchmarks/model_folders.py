@@ -1,6 +1,6 @@
-"""Local ``transformers`` model folders built inside the tests (nothing comes from a hub): a byte-level BPE trained
-on a slice of the standard library, wrapped as ``PreTrainedTokenizerFast`` with a chat template that marks the
-assistant's tokens, and a tiny Llama or glm4_moe saved with ``save_pretrained``."""
+"""Local ``transformers`` model folders for the tests and benchmarks (nothing comes from a hub): a byte-level BPE
+trained on code, wrapped as ``PreTrainedTokenizerFast`` with a chat template that marks the assistant's tokens, and
+a tiny Llama or glm4_moe saved with ``save_pretrained``."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def tokenizer_folder(folder: Path, vocab_size: int = 320, template: Optional[str] = CHAT_TEMPLATE) -> Path:
+def tokenizer_folder(folder: Path, vocab_size: int = 320, template: Optional[str] = CHAT_TEMPLATE,
+                     texts: Optional[list[str]] = None) -> Path:
     """``folder`` with ``tokenizer.json`` / ``tokenizer_config.json`` (and the chat template) of a BPE of
-    ``vocab_size`` ids trained on code."""
+    ``vocab_size`` ids trained on ``texts`` (default: two standard-library modules and the test records)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,8 +51,9 @@ def tokenizer_folder(folder: Path, vocab_size: int = 320, template: Optional[str
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [(stdlib_root() / name).read_text(encoding="utf-8") for name in ("glob.py", "fnmatch.py")]
-    texts += [r["messages"][1]["content"] for r in chat_records(40)] + [r["text"] for r in text_records(40)]
+    if texts is None:
+        texts = [(stdlib_root() / name).read_text(encoding="utf-8") for name in ("glob.py", "fnmatch.py")]
+        texts += [r["messages"][1]["content"] for r in chat_records(40)] + [r["text"] for r in text_records(40)]
     backend.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>",
                                         chat_template=template)
