@@ -56,7 +56,7 @@ def mtp_metadata(module: Any) -> dict:
     cfg = module.mtp_config
     return {
         "version": FORMAT_VERSION,
-        "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "module_class": f"{module_class(module).__module__}.{module_class(module).__qualname__}",
         "depth": cfg.depth,
         "architecture": cfg.architecture,
         "config": asdict(cfg),
@@ -66,6 +66,19 @@ def mtp_metadata(module: Any) -> dict:
         "draft_temperatures": [float(t) for t in module.mtp_draft_temperatures],
         **trunk_config(module),
     }
+
+
+def module_class(module: Any) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps it for a generated ``FSDP<Name>`` subclass, which no
+    other process can import, so checkpoints name the class it was made from."""
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return cls
+    if issubclass(cls, FSDPModule):
+        return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule))
+    return cls
 
 
 def trunk_config(module: Any) -> dict:
@@ -169,7 +182,8 @@ def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) 
 def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
     """``torch.load(path, weights_only=True)`` with errors that name the path and the flag it came from.
 
-    A DeepSpeed checkpoint directory reads as its rank-0 module-states file (hyperparameters, MTP metadata,
+    A DeepSpeed checkpoint directory reads as its rank-0 module-states file, a sharded FSDP2 checkpoint directory
+    (``ModelParallelStrategy(save_distributed_checkpoint=True)``) as its ``meta.pt`` (hyperparameters, MTP metadata,
     tokenizer; the sharded weights stay where they are).
 
     Raises:
@@ -177,13 +191,16 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
             writes plain types only and never unpickles arbitrary objects).
     """
     file = Path(path)
-    if file.is_dir():  # a DeepSpeed checkpoint: its metadata sits beside rank 0's module states
+    if file.is_dir() and (file / "meta.pt").is_file():  # torch.distributed.checkpoint shards and Lightning's metadata
+        file = file / "meta.pt"
+    elif file.is_dir():  # a DeepSpeed checkpoint: its metadata sits beside rank 0's module states
         tag_file = file / "latest"
         tag = tag_file.read_text().strip() if tag_file.is_file() else "checkpoint"
         file = file / tag / "mp_rank_00_model_states.pt"
         if not file.is_file():
             raise ValueError(f"{flag} {str(path)!r} is a directory but not a DeepSpeed checkpoint (no {file.name} "
-                             f"under {tag}/): give a checkpoint file or a directory written by a DeepSpeed fit")
+                             f"under {tag}/) nor a sharded FSDP2 one (no meta.pt): give a checkpoint file or a "
+                             "directory written by a DeepSpeed or FSDP2 fit")
     if not file.is_file():
         raise ValueError(f"{flag} {str(path)!r} does not exist")
     if file.stat().st_size == 0:

@@ -1,6 +1,6 @@
 """Calling the output heads the way the loss terms and monitors need: chunk by chunk, through the head *modules*
-(safe under DeepSpeed ZeRO-3), with the host's logit transform, and without gradient into a shared head under
-``MTPConfig.detach_trunk`` (:func:`loss_head`).
+(safe under DeepSpeed ZeRO-3 and FSDP2), with the host's logit transform, and without gradient into a shared head
+under ``MTPConfig.detach_trunk`` (:func:`loss_head`).
 
 Below the mixin: self-distillation (a loss term the mixin registers) and the callbacks both use these.
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_mtp.kernels.linear_cross_entropy_torch import default_chunk_size
+from lightning_mtp.sharded import gathered_weights
 from lightning_mtp.zero import is_partitioned
 
 if TYPE_CHECKING:
@@ -33,23 +35,23 @@ def loss_head(pl_module: MTPMixin, depth: int) -> Callable[[Tensor], Tensor]:
     run by its own ``forward`` on detached parameters, so gradients still reach the hidden states fed to it. Separate
     per-depth heads (``share_output_head=False``) and frozen heads are returned as modules.
 
-    Raises:
-        ValueError: for a shared head under ``detach_trunk`` whose weight is a DeepSpeed ZeRO-3 partition, which
-            cannot be read outside the module call (``zero_settings.validate_mtp_under_zero`` refuses the setting at
-            setup; this is the same refusal where that check did not run).
+    Under DeepSpeed ZeRO-3 that head's weight is a partition outside its call: it is gathered once here and the
+    terms score a detached copy of it (V·H more memory while the terms' graph lives). Under FSDP2 the head belongs to
+    the root's group, whole inside the mixin's loss (``MTPMixin.mtp_whole_root``).
     """
     head = depth_head(pl_module, depth)
     shared = head is depth_head(pl_module, 0)
     if not (pl_module.mtp_config.detach_trunk and shared and any(p.requires_grad for p in head.parameters())):
         return head  # nothing to keep out (a frozen head, e.g. HFCausalLM(freeze_trunk=True), is called as is)
-    if any(is_partitioned(p) for p in head.parameters()):
-        raise ValueError(
-            "MTPConfig.detach_trunk=True (--model.mtp.detach_trunk) with a shared output head "
-            "(MTPConfig.share_output_head=True, --model.mtp.share_output_head) cannot be used with DeepSpeed ZeRO "
-            "stage 3: keeping the MTP loss terms out of the shared head needs its weight, which is partitioned; use "
-            "detach_trunk=False, share_output_head=False, or ZeRO stage 1/2"
-        )
-    frozen = {name: param.detach() for name, param in head.named_parameters()}
+    params = dict(head.named_parameters())
+    if any(is_partitioned(p) for p in params.values()):
+        # ZeRO-3: a copy of the gathered weight (its storage goes with the context), applied as the nn.Linear the
+        # head is (the mixin's contract): calling the module would run DeepSpeed's hooks on tensors it does not own.
+        with gathered_weights(list(params.values())):
+            weight = params["weight"].detach().clone()
+            bias = params["bias"].detach().clone() if "bias" in params else None
+        return lambda hidden: F.linear(hidden, weight, bias)  # (..., H) -> (..., V), no gradient into the head
+    frozen = {name: param.detach() for name, param in params.items()}
 
     def frozen_head(hidden: Tensor) -> Tensor:
         return functional_call(head, frozen, (hidden,))  # (..., H) -> (..., V), no gradient into the head

@@ -6,12 +6,17 @@ shared) output head turn that into logits. Checkpoint keys follow DeepSeek-V3's 
 
 With ``MTPConfig.recompute`` a depth runs through :func:`recomputed_depth`: no autograd graph in forward, and one
 rerun of every piece in backward.
+
+The training loop calls a module once per depth and gets both h_k and norm(h_k) from that call
+(``module(..., normed=True)``, or ``recompute=chunks``): every weight of a depth is then used inside its module's
+call, which is where sharding engines make them whole (FSDP2 unshards a ``fully_shard`` unit around its forward,
+DeepSpeed ZeRO-3 gathers a leaf module's parameters around it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +67,18 @@ class CascadedMTPModule(nn.Module):
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
         mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        # hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H)
-        # positions: the cache slots written (decoding); mask: (B, 1, T, S) slots each query sees (tree drafting)
-        return self.block(self.block_input(hidden, token_embedding), cos, sin, positions, cache, mask)
+        normed: bool = False,
+        recompute: Optional[int] = None,
+    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """h_k (B, T, H); with ``normed`` the pair (h_k, norm(h_k)); with ``recompute`` (token chunks) that pair from
+        :func:`recomputed_depth` (training only: no cache, no ``positions``).
+
+        hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H); positions: the cache slots
+        written (decoding); mask: (B, 1, T, S) slots each query sees (tree drafting, packed documents)."""
+        if recompute is not None:
+            return recomputed_depth(self, hidden, token_embedding, cos, sin, recompute, mask)
+        out = self.block(self.block_input(hidden, token_embedding), cos, sin, positions, cache, mask)
+        return (out, self.norm(out)) if normed else out
 
     def block_input(self, hidden: Tensor, token_embedding: Tensor) -> Tensor:
         """eh_proj([enorm(Emb); hnorm(h)]): (B, T, H) twice -> (B, T, H)."""
@@ -107,9 +120,15 @@ class ParallelMTPHead(nn.Module):
         positions: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
         mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        # hidden: the trunk's h_0 at positions i (B, T, H); the token embedding is unused (same call signature)
-        return self.block(hidden, cos, sin, positions, cache, mask)
+        normed: bool = False,
+        recompute: Optional[int] = None,
+    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """As :meth:`CascadedMTPModule.forward`; ``hidden`` is the trunk's h_0 at positions i (B, T, H) and the token
+        embedding is unused (same call signature)."""
+        if recompute is not None:
+            return recomputed_depth(self, hidden, None, cos, sin, recompute, mask)
+        out = self.block(hidden, cos, sin, positions, cache, mask)
+        return (out, self.norm(out)) if normed else out
 
     def block_input(self, hidden: Tensor, token_embedding: Optional[Tensor]) -> Tensor:
         """The block reads the trunk's hidden state as it is."""
@@ -422,5 +441,9 @@ def recomputed_depth(
     """(h_k, norm(h_k)) of one depth, each (B, L, H), its activations recomputed in backward
     (:class:`_RecomputedDepth`); its position-wise pieces run in ``chunks`` token chunks. ``cos``/``sin`` (1 or B,
     L, hd/2) are the tokens' RoPE tables; ``mask`` (B, 1, L, L) bool keeps packed documents apart in attention
-    (``None``: causal), in forward and in the rerun."""
+    (``None``: causal), in forward and in the rerun.
+
+    The rerun reads the module's weights directly (slices of ``qkv``/``proj`` per head group), so it runs inside the
+    module's call (``module(..., recompute=chunks)``): an FSDP2 unit is unsharded there and unsharded again for its
+    backward (FSDP's pre-backward hook on the outputs), a DeepSpeed ZeRO-3 leaf module gathered likewise."""
     return _RecomputedDepth.apply(module, cos, sin, mask, chunks, hidden, embedding, *module.parameters())

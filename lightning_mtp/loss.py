@@ -13,7 +13,9 @@ their own in that call (chunked by their own count, with their own gradient tens
 With ``MTPConfig.recompute`` each depth keeps only its inputs and its block's mid residual, and its backward reruns
 it once, piece by piece (:func:`run_depth`).
 Under DeepSpeed ZeRO-3 (a partitioned head weight) the same loss goes through the head module instead
-(:func:`lightning_mtp.zero.head_cross_entropy`).
+(:func:`lightning_mtp.zero.head_cross_entropy`); a detached head (``MTPConfig.detach_trunk``) is gathered and scored by
+the fused kernel, which keeps no reference to it. Under FSDP2 the head belongs to the root's group, whole wherever
+the mixin scores (``MTPMixin.mtp_whole_root``), so the fused kernel reads it as on one process.
 
 Hosts that scale or soft-cap their head's outputs (Cohere, Granite, Gemma-2, ...) describe that with a
 :class:`LogitTransform` (``MTPMixin.mtp_logit_transform``); every depth's logits get it, in the loss and in decoding.
@@ -27,10 +29,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_mtp.heads import recomputed_depth
 from lightning_mtp.kernels import linear_cross_entropy_torch, linear_cross_entropy_triton, resolve_backend
 from lightning_mtp.kernels.linear_cross_entropy_torch import check_logit_transform, scale_and_cap
 from lightning_mtp.layers import document_ids
+from lightning_mtp.sharded import gathered_weights, is_dtensor
 from lightning_mtp.zero import head_cross_entropy, is_partitioned
 
 
@@ -107,6 +109,7 @@ class DepthLossSpec:
     ignore_index: int = -100
     chunk_size: Optional[int] = None
     head: Optional[nn.Module] = None  # the module owning head_weight; called instead when it is ZeRO-3-partitioned
+    detach_head: bool = False  # score with the head weight detached: no gradient into it (MTPConfig.detach_trunk)
 
     def row_weights(self, device) -> tuple[Tensor, Tensor, Tensor]:
         """Flat targets (N,), per-row weights weight / n_valid (N,) and n_valid."""
@@ -133,9 +136,9 @@ def score_jointly(
     transform = transform or LogitTransform()
     scaling = dict(logit_scale=transform.scale, softcap=transform.softcap)
     parts: list[Optional[DepthLossPart]] = [None] * len(specs)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, bool], list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault(id(spec.head_weight), []).append(i)
+        groups.setdefault((id(spec.head_weight), spec.detach_head), []).append(i)
     overwritable = [private and _overwritable(h) for h in normed]
     rows = [h.reshape(-1, h.shape[-1]) for h in normed]  # (B*L, H) each
     normed.clear()
@@ -147,7 +150,19 @@ def score_jointly(
         flat = [specs[i].row_weights(hidden[0].device) for i in members]
         first = specs[members[0]]
         targets, row_weights = torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat])
-        if is_partitioned(first.head_weight):
+        if is_dtensor(first.head_weight):
+            raise RuntimeError(
+                "the output head's weight is an FSDP2 shard here: score through compute_lm_loss / compute_mtp_loss, "
+                "which make the root's parameters whole first (MTPMixin.mtp_whole_root)"
+            )
+        if is_partitioned(first.head_weight) and first.detach_head:
+            # ZeRO-3 with a detached head (MTPConfig.detach_trunk): the fused kernel on the gathered weight, detached;
+            # it keeps no reference to the weight for backward, so the gathered copy may go at once.
+            with gathered_weights([first.head_weight]):
+                out = linear_cross_entropy_torch(hidden, first.head_weight.detach(), targets, row_weights,
+                                                 first.ignore_index, first.chunk_size,
+                                                 overwrite_hidden=[overwritable[i] for i in members], **scaling)
+        elif is_partitioned(first.head_weight):
             # DeepSpeed ZeRO-3: the weight is an empty partition here; the module call gathers it.
             if first.head is None:
                 raise ValueError("DepthLossSpec.head is required when head_weight is a DeepSpeed ZeRO-3 partition")
@@ -157,9 +172,10 @@ def score_jointly(
                                      **scaling)
             del joined
         else:
-            backend = resolve_backend("auto", *hidden, first.head_weight, targets)
+            weight = first.head_weight.detach() if first.detach_head else first.head_weight
+            backend = resolve_backend("auto", *hidden, weight, targets)
             cross_entropy = linear_cross_entropy_triton if backend == "triton" else linear_cross_entropy_torch
-            out = cross_entropy(hidden, first.head_weight, targets, row_weights, first.ignore_index,
+            out = cross_entropy(hidden, weight, targets, row_weights, first.ignore_index,
                                 first.chunk_size, overwrite_hidden=[overwritable[i] for i in members], **scaling)
         del hidden
         # The joint loss is attributed to the group's first member; the others carry zero (the sum is what counts).
@@ -226,12 +242,16 @@ def run_depth(
     apply their own RoPE from them; the lightning modules get theirs in ``cos``/``sin``), ``mask`` (B, 1, L, L) the
     block-diagonal causal attention mask (:func:`~lightning_mtp.layers.document_mask`). ``None``: one sequence per
     row, causal. With ``recompute`` the depth keeps no activations but its residual between attention and MLP; its
-    backward reruns it once, piece by piece (:func:`~lightning_mtp.heads.recomputed_depth`).
+    backward reruns it once, piece by piece (:func:`~lightning_mtp.heads.recomputed_depth`, run inside the module's
+    call).
     """
     if recompute:
-        return recomputed_depth(module, hidden, embedding, cos, sin, MLP_RECOMPUTE_CHUNKS, mask)
-    if positions is None and mask is None:
-        out = module(hidden, embedding, cos, sin)
-    else:
-        out = module(hidden, embedding, cos, sin, positions, None, mask)
-    return out, module.norm(out)
+        if getattr(module, "_z3_leaf", False) and not any(t is not None and t.requires_grad
+                                                          for t in (hidden, embedding)):
+            # A ZeRO-3 leaf module reduces its gradients in a full backward hook, which fires once its inputs'
+            # gradients exist, or, when no input needs one (detach_trunk at depth 1), before its backward has run.
+            hidden = hidden.detach().requires_grad_()
+        return module(hidden, embedding, cos, sin, mask=mask, recompute=MLP_RECOMPUTE_CHUNKS)
+    # One call for h_k and norm(h_k): the output norm's weight is used inside the module's call, where sharded
+    # parameters (FSDP2 units, ZeRO-3 leaf modules) are whole.
+    return module(hidden, embedding, cos, sin, positions, None, mask, normed=True)

@@ -1,27 +1,102 @@
-"""DeepSpeed on CPU for development and CI (the checks that reject MTP settings a ZeRO stage cannot run live in
-:mod:`lightning_mtp.zero_settings`; the mixin runs them at setup under every DeepSpeed strategy).
+"""Strategies for sharded MTP training: FSDP2 over every process (:class:`FSDP2Strategy`), and DeepSpeed on CPU for
+development and CI (:class:`CPUDeepSpeedStrategy`).
+
+:class:`FSDP2Strategy` is Lightning's ``ModelParallelStrategy`` set up as plain fully sharded data parallelism:
+every process in one data-parallel dimension, one consolidated checkpoint file by default, the module sharded with
+``MTPMixin.mtp_fully_shard`` unless its ``configure_model`` did so, and optional FSDP2 mixed precision (bf16
+parameters with fp32 reductions). It runs on GPUs (nccl) and on CPU processes (gloo) alike.
 
 Lightning's ``DeepSpeedStrategy`` refuses anything but CUDA; DeepSpeed itself runs ZeRO-1/2/3 on CPU with gloo
 (its CPU accelerator). :class:`CPUDeepSpeedStrategy` lifts Lightning's CUDA-only checks and nothing else, so the same
 ZeRO code paths (partitioned parameters, gathered forwards, sharded checkpoints) are exercised without a GPU. It is
-slow and meant for tests and debugging; on GPUs use the stock ``deepspeed_stage_2`` / ``deepspeed_stage_3``.
+slow and meant for tests and debugging; on GPUs use the stock ``deepspeed_stage_2`` / ``deepspeed_stage_3``. The
+MTP settings a ZeRO stage cannot run live in :mod:`lightning_mtp.zero_settings`; the mixin checks them at setup.
 
 Example::
 
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy())
+    trainer = L.Trainer(accelerator="gpu", devices=8, strategy=FSDP2Strategy(param_dtype="bfloat16"))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=CPUDeepSpeedStrategy(stage=3))
 """
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_mtp.fsdp import mixed_precision
+from lightning_mtp.sharded import is_fsdp2_module
 from lightning_mtp.zero_settings import validate_mtp_under_zero, zero_stage
 
-__all__ = ["CPUDeepSpeedStrategy", "validate_mtp_under_zero", "zero_stage"]
+__all__ = ["CPUDeepSpeedStrategy", "FSDP2Strategy", "validate_mtp_under_zero", "zero_stage"]
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallelism (FSDP2) over every process, for :class:`~lightning_mtp.MTPMixin` modules.
+
+    Args:
+        data_parallel_size: processes in the data-parallel dimension; ``"auto"``: all of them (nodes × devices).
+            Tensor parallelism is not used (``tensor_parallel_size`` is 1).
+        save_distributed_checkpoint: ``False`` (default): one consolidated checkpoint file, gathered on rank 0, that
+            every entry point reads (``predict``, ``init_from``, ``export``, resuming); ``True``: a folder of shards
+            (``torch.distributed.checkpoint``), which only this strategy reads back.
+        param_dtype, reduce_dtype: FSDP2 mixed precision (``MixedPrecisionPolicy``): the dtype of the gathered
+            parameters that forward and backward compute with, and of the gradient reduce-scatter, e.g.
+            ``param_dtype="bfloat16", reduce_dtype="float32"``; the sharded parameters and the optimizer stay in the
+            dtype they were built in (fp32 with ``--trainer.precision 32-true``). ``None``: the parameters' dtype.
+        reshard_after_forward: free the gathered weights of the trunk's blocks and the MTP modules after their
+            forward (gathered again for backward); ``False`` keeps them until backward (more memory, fewer
+            all-gathers). The root's group (embedding, head) is kept from forward to backward either way.
+        cpu_offload: keep the shards and their optimizer state in CPU memory (``CPUOffloadPolicy``).
+        process_group_backend: default nccl on GPUs, gloo on CPU.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        save_distributed_checkpoint: bool = False,
+        param_dtype: Optional[str] = None,
+        reduce_dtype: Optional[str] = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._mtp_mixed_precision = mixed_precision(param_dtype, reduce_dtype)  # validates the names now
+        self._mtp_reshard_after_forward = reshard_after_forward
+        self._mtp_cpu_offload = cpu_offload
+
+    @property
+    def mtp_fsdp_settings(self) -> dict:
+        """What ``MTPMixin.mtp_fully_shard`` applies under this strategy (``fully_shard``'s keyword arguments)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        return dict(mp_policy=self._mtp_mixed_precision, reshard_after_forward=self._mtp_reshard_after_forward,
+                    offload_policy=CPUOffloadPolicy() if self._mtp_cpu_offload else OffloadPolicy())
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if not is_fsdp2_module(module):
+            if not callable(getattr(module, "mtp_fully_shard", None)):
+                raise TypeError(f"FSDP2Strategy shards MTPMixin modules; {type(module).__name__} is none: apply "
+                                "fully_shard in its configure_model and use Lightning's ModelParallelStrategy")
+            module.mtp_fully_shard()
+        super().setup(trainer)
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):

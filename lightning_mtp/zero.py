@@ -24,11 +24,12 @@ from lightning_mtp.kernels.linear_cross_entropy_torch import (
     row_cross_entropy,
     scale_and_cap,
 )
+from lightning_mtp.sharded import is_zero3_partition
 
 
 def is_partitioned(param: Tensor) -> bool:
     """Whether ``param`` is a DeepSpeed ZeRO-3 parameter (an empty partition outside a gathered context)."""
-    return hasattr(param, "ds_id")
+    return is_zero3_partition(param)
 
 
 def full_shape(param: Tensor) -> torch.Size:

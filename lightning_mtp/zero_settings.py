@@ -28,17 +28,13 @@ def validate_mtp_under_zero(trainer: Any, stage: Optional[int] = None) -> None:
 
     - ``GradientAccumulationScheduler`` and ``BaseFinetuning`` callbacks (DeepSpeed owns gradient accumulation and the
       optimizer's parameter groups; Lightning rejects both too, later and less clearly);
-    - ZeRO-3 with ``MTPConfig.detach_trunk`` and a shared output head: the MTP loss then reads the head's weight
-      (``.detach()``) outside the module call, and under ZeRO-3 that weight is an empty partition;
     - ZeRO-3 with ``generation.draft_confidence_threshold`` on several processes: draft lengths then depend on each
       rank's data, so ranks would run different numbers of MTP forwards (each one all-gathers) and deadlock.
 
     A second optimizer is rejected by Lightning itself ("only one optimizer is supported with DeepSpeed").
-    - ZeRO-3 with ``MTPConfig.recompute``: the sublayer-wise recomputation slices the attention's ``qkv``/``proj``
-      weights per key/value head group (``layers.Attention.head_group``) instead of calling those modules, and under
-      ZeRO-3 they are empty partitions there (``size mismatch ... vec (0)``).
-
-    ZeRO-1/2 keep whole parameters on every rank, so none of the MTP settings above is restricted there.
+    ``MTPConfig.recompute`` and ``detach_trunk`` work at every stage: under ZeRO-3 each MTP module is a leaf module
+    whose call gathers all its weights, recomputation included, and a detached shared head is gathered for the fused
+    cross-entropy (:func:`lightning_mtp.loss.score_jointly`).
     """
     if stage is None:
         stage = zero_stage(trainer.strategy)
@@ -61,18 +57,6 @@ def validate_mtp_under_zero(trainer: Any, stage: Optional[int] = None) -> None:
         return
     config = getattr(module, "mtp_config", None)
     if stage == 3 and config is not None:
-        if config.detach_trunk and config.share_output_head:
-            raise ValueError(
-                f"MTPConfig.detach_trunk=True (--model.mtp.detach_trunk) with a shared output head cannot be used with "
-                f"{name}: the MTP loss would read the partitioned head weight directly; use detach_trunk=False, "
-                "share_output_head=False, or ZeRO stage 1/2"
-            )
-        if config.recompute:
-            raise ValueError(
-                f"MTPConfig.recompute=True (--model.mtp.recompute) cannot be used with {name}: the MTP blocks' "
-                "sublayer-wise recomputation reads the attention weights directly, which ZeRO-3 partitions; use "
-                "recompute=False (ZeRO-3 already shards the memory) or ZeRO stage 1/2"
-            )
         if getattr(module, "mtp_generate_kwargs", {}).get("draft_confidence_threshold") is not None and (
             trainer.world_size > 1
         ):

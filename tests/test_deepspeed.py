@@ -134,32 +134,35 @@ def test_unsupported_callbacks_named_with_the_stage(stage):
         validate_mtp_under_zero(_trainer(callbacks=[BackboneFinetuning()]), stage)
 
 
-@pytest.mark.parametrize(
-    "mtp_kwargs, generation, match",
-    [
-        ({"recompute": True}, {}, "recompute.*ZeRO stage 3"),
-        ({"detach_trunk": True}, {}, "detach_trunk.*ZeRO stage 3"),
-        ({}, {"draft_confidence_threshold": 0.5}, "draft_confidence_threshold.*ZeRO stage 3"),
-    ],
-)
-def test_zero3_rejects_what_reads_partitioned_weights(make_tiny_model, mtp_kwargs, generation, match):
-    model = make_tiny_model(depth=2, **mtp_kwargs)
-    model.mtp_generate_kwargs = {**model.mtp_generate_kwargs, **generation}
-    with pytest.raises(ValueError, match=match):
+def test_zero3_rejects_draft_lengths_that_differ_per_rank(make_tiny_model):
+    model = make_tiny_model(depth=2)
+    model.mtp_generate_kwargs = {**model.mtp_generate_kwargs, "draft_confidence_threshold": 0.5}
+    with pytest.raises(ValueError, match="draft_confidence_threshold.*ZeRO stage 3"):
         validate_mtp_under_zero(_trainer(model), 3)
     validate_mtp_under_zero(_trainer(model), 2)  # ZeRO-2 keeps whole parameters: fine
 
 
-def test_the_mixin_refuses_them_at_setup_under_the_stock_strategy(make_tiny_model):
+@pytest.mark.parametrize("mtp_kwargs", [{"recompute": True}, {"detach_trunk": True},
+                                        {"recompute": True, "detach_trunk": True}])
+def test_zero3_allows_recompute_and_detach_trunk(make_tiny_model, mtp_kwargs):
+    """Refused before: now each MTP module is a ZeRO-3 leaf whose call gathers its weights (recompute reads them
+    there), and a detached shared head is gathered for the fused cross-entropy; tests/test_fsdp.py trains both under
+    ZeRO-3 on 2 processes to DDP's parameters."""
+    validate_mtp_under_zero(_trainer(make_tiny_model(depth=2, **mtp_kwargs)), 3)
+
+
+def test_the_mixin_refuses_at_setup_under_the_stock_strategy(make_tiny_model):
     """The stock DeepSpeedStrategy (what GPU users run) gets the same refusal, from the module's own setup."""
     import lightning as L
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    model = make_tiny_model(depth=2, recompute=True)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), logger=False)
+    model = make_tiny_model(depth=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), logger=False,
+                        callbacks=[GradientAccumulationScheduler({0: 2})])
     trainer.strategy.connect(model)
     model.trainer = trainer
-    with pytest.raises(ValueError, match="recompute.*ZeRO stage 3"):
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler.*ZeRO stage 3"):
         model.setup("fit")
 
 

@@ -53,6 +53,7 @@ from lightning_mtp.mixin.contract import MTPHostContract
 from lightning_mtp.mixin.divergence import MTPDivergenceGuard
 from lightning_mtp.mixin.lifecycle import MTPLifecycle
 from lightning_mtp.mixin.objective import MTPObjective
+from lightning_mtp.mixin.sharding import MTPSharding
 from lightning_mtp.mixin.steps import MTPSteps, batch_position_ids, unpack_batch
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
 
@@ -60,13 +61,15 @@ __all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "batch_positio
            "unpack_batch"]
 
 
-class MTPMixin(MTPSteps, MTPLifecycle, MTPDivergenceGuard, MTPObjective, MTPConstruction, MTPHostContract):
+class MTPMixin(MTPSteps, MTPLifecycle, MTPDivergenceGuard, MTPObjective, MTPSharding, MTPConstruction,
+               MTPHostContract):
     """Multi-token prediction for a LightningModule; see the module docstring for what the host provides.
 
     One class per concept, in ``lightning_mtp/mixin/``: :class:`MTPHostContract` (what the host provides),
     :class:`MTPConstruction` (building the modules), :class:`MTPObjective` (the loss), :class:`MTPSteps` (Lightning
     steps and generation), :class:`MTPLifecycle` (checks and checkpoint hooks), :class:`MTPDivergenceGuard` (a
-    non-finite loss or gradient stops the fit before the optimizer step).
+    non-finite loss or gradient stops the fit before the optimizer step), :class:`MTPSharding` (FSDP2 units for the
+    trunk's blocks, the MTP modules and the root).
     """
 
     def __init__(self, *args: Any, mtp: Union[MTPConfig, dict, None] = None,

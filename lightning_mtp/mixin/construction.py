@@ -9,6 +9,7 @@ from lightning_mtp.heads import build_mtp_modules
 from lightning_mtp.layers import Linear, RotaryTable
 from lightning_mtp.metrics import MTPMetrics
 from lightning_mtp.native.module import NativeRotaryPlaceholder
+from lightning_mtp.sharded import call_whole, is_zero3_partition
 
 
 class MTPConstruction:
@@ -39,9 +40,16 @@ class MTPConstruction:
         if not cfg.share_embedding and cfg.architecture == "cascaded":
             # The cascaded modules' own embedding, starting from the trunk's values (when they are readable).
             self.mtp_embedding = nn.Embedding(embed.num_embeddings, embed.embedding_dim)
-            if not hasattr(embed.weight, "ds_id"):
+            if not is_zero3_partition(embed.weight):
                 with torch.no_grad():
                     self.mtp_embedding.weight.copy_(embed.weight)
+        if cfg.recompute and any(is_zero3_partition(p) for p in self.mtp_modules.parameters()):
+            # ZeRO-3 (inside deepspeed.zero.Init): each MTP module becomes a leaf, whose call gathers all its weights
+            # (and again for its backward): recompute reads them directly, inside that call (heads.recomputed_depth)
+            from deepspeed.utils import set_z3_leaf_module
+
+            for module in self.mtp_modules:
+                set_z3_leaf_module(module, True)
         self.mtp_metrics = MTPMetrics(cfg.depth, self.mtp_vocab_size(), cfg.ignore_index)
         device = embed.weight.device if embed.weight.device.type != "meta" else None
         if device is not None:
@@ -88,8 +96,12 @@ class MTPConstruction:
         return self.mtp_output_heads[depth - 1]
 
     def mtp_depth_logits(self, depth: int, hidden: Tensor) -> Tensor:
-        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V), transformed as the host's."""
-        return self.mtp_logit_transform()(self.mtp_depth_head(depth)(self.mtp_modules[depth - 1].norm(hidden)))
+        """Logits of depth k ≥ 1 from its pre-norm hidden state (B, T, H) -> (B, T, V), transformed as the host's.
+
+        The depth's output norm is called outside its module's call: with whole weights where the module is sharded
+        (ZeRO-3, FSDP2; :func:`~lightning_mtp.sharded.call_whole`, a collective)."""
+        normed = call_whole(self.mtp_modules[depth - 1].norm, hidden)
+        return self.mtp_logit_transform()(self.mtp_depth_head(depth)(normed))
 
 
 def check_block_spec(spec: dict, host: str) -> dict:

@@ -48,6 +48,7 @@ class MTPHostContract:
             ValueError: ``position_ids`` given and the host's ``mtp_trunk_hidden_states`` takes no ``position_ids``:
                 its attention would cross documents, so the batch is refused rather than trained on wrongly.
         """
+        self.mtp_whole_root()  # FSDP2: the embedding and head are whole whatever the host's trunk call
         if position_ids is None:
             return self.mtp_trunk_hidden_states(input_ids)
         if not takes_position_ids(self.mtp_trunk_hidden_states):
@@ -78,6 +79,17 @@ class MTPHostContract:
 
     def mtp_vocab_size(self) -> int:
         return self.mtp_output_head().out_features
+
+    def mtp_trunk_blocks(self) -> list[nn.Module]:
+        """The trunk's repeated blocks, each made an FSDP2 unit by :meth:`~lightning_mtp.MTPMixin.mtp_fully_shard`
+        (what is not in a block is sharded with the root: the embedding, the head, the final norm).
+
+        Default: the elements of the host's longest ``nn.ModuleList`` outside the MTP modules
+        (:func:`lightning_mtp.fsdp.default_trunk_blocks`); override it to name them (the bundled hosts do).
+        """
+        from lightning_mtp.fsdp import default_trunk_blocks
+
+        return default_trunk_blocks(self)
 
     def mtp_logit_transform(self) -> LogitTransform:
         """What the host's forward does to its head's outputs (logit scaling, soft-capping); default: nothing.

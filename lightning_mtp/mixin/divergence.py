@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_mtp.finite import TrainingDiverged, divergence_message
 from lightning_mtp.outputs import MTPLossOutput
+from lightning_mtp.sharded import is_dtensor
 
 
 class MTPDivergenceGuard:
@@ -60,6 +61,9 @@ class MTPDivergenceGuard:
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
         if not grads:
             return None
+        if any(is_dtensor(g) for g in grads):  # FSDP2: each rank holds shards; one all-reduce for the total
+            total = torch.nn.utils.get_total_norm(grads)
+            return total.full_tensor() if is_dtensor(total) else total
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
     def _mtp_divergence_report(self, gradient_norm: Optional[float]) -> str:

@@ -7,18 +7,28 @@ from typing import Optional
 
 from lightning_mtp import checkpointing
 from lightning_mtp.finite import check_finite_state_dict
+from lightning_mtp.fsdp_settings import validate_mtp_under_fsdp
 from lightning_mtp.metrics import log_custom_scalars_layout
 from lightning_mtp.zero_settings import validate_mtp_under_zero
 
 
 class MTPLifecycle:
-    """``setup``, ``on_fit_start``, ``on_predict_start``, ``on_save_checkpoint``, ``on_load_checkpoint``; every hook
-    calls ``super()``."""
+    """``setup``, ``on_fit_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``,
+    ``on_save_checkpoint``, ``on_load_checkpoint``; every hook calls ``super()``."""
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.mtp_check_sharded()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self.mtp_check_sharded()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self._trainer is not None:
             validate_mtp_under_zero(self.trainer)  # nothing to check without DeepSpeed
+            validate_mtp_under_fsdp(self.trainer)  # nor without FSDP
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is None:
             return
@@ -50,6 +60,7 @@ class MTPLifecycle:
 
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        self.mtp_check_sharded()
         datamodule = getattr(self.trainer, "datamodule", None)
         if hasattr(datamodule, "check_prompts_fit"):  # after the checkpoint (and its tokenizer) is loaded
             self._check_prompts_fit(datamodule)
@@ -93,6 +104,7 @@ class MTPLifecycle:
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        self.mtp_check_sharded()
         log_custom_scalars_layout(self.loggers, self.mtp_config.depth)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

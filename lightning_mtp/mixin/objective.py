@@ -39,6 +39,7 @@ class MTPObjective:
         hidden: (B, T, H) trunk's last hidden state h_0. Depth k covers positions 0..T-k-2, the ones with a target.
         position_ids: (B, T) of a packed batch (documents kept apart), or ``None``.
         """
+        self.mtp_whole_root()
         return self._run_depths(hidden, input_ids, labels, with_loss=False, position_ids=position_ids)[0]
 
     def _score(
@@ -108,12 +109,12 @@ class MTPObjective:
             emb_in = embeddings[:, k : k + length] if embeddings is not None else None  # Emb(t(i+k))
             loss_spec = None
             if with_loss and k <= self.mtp_active_depth:
-                head_weight = self.mtp_depth_head_weight(k)
-                if cfg.detach_trunk and self.mtp_output_heads is None:
-                    head_weight = head_weight.detach()  # the MTP loss must not move the shared head
                 targets = depth_targets(labels, k, length, position_ids, cfg.ignore_index)  # (B, L)
-                loss_spec = DepthLossSpec(head_weight, targets, scale * self.mtp_depth_weights[k - 1],
-                                          cfg.ignore_index, self._mtp_chunk_size(), self.mtp_depth_head(k))
+                # detach_trunk: the MTP loss must not move the shared head (scored with its weight detached)
+                loss_spec = DepthLossSpec(self.mtp_depth_head_weight(k), targets,
+                                          scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
+                                          self._mtp_chunk_size(), self.mtp_depth_head(k),
+                                          detach_head=cfg.detach_trunk and self.mtp_output_heads is None)
             positions = None if position_ids is None else position_ids[:, :length]  # (B, L)
             depth_mask = None if mask is None else mask[:, :, :length, :length]  # (B, 1, L, L)
             out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in,
@@ -189,6 +190,7 @@ class MTPObjective:
             ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
             ``depth_losses`` (D,) for logging.
         """
+        self.mtp_whole_root()
         return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
 
     def compute_lm_loss(
@@ -202,6 +204,7 @@ class MTPObjective:
         (:meth:`~lightning_mtp.mixin.contract.MTPHostContract.mtp_run_trunk`: a host that cannot take them refuses
         the batch) and no target crosses a document boundary.
         """
+        self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the trunk and every depth
         with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
             hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
         fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, trunk_embeddings=trunk_embeddings,

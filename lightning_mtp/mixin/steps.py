@@ -169,10 +169,12 @@ class MTPSteps:
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any):
         """Self-speculative decoding with the MTP heads as drafters; see :func:`lightning_mtp.decoding.generate`."""
+        self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the whole call
         return decoding.generate(self, input_ids, max_new_tokens, **kwargs)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict:
         """Generate for a batch of prompts; returns tokens, texts and decoding stats (``decoding.predict_batch``)."""
+        self.mtp_whole_root()
         return decoding.predict_batch(self, batch, **getattr(self, "mtp_generate_kwargs", {}))
 
     def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:

@@ -159,6 +159,7 @@ class CausalLM(MTPMixin, L.LightningModule):
             self._init_weights([self.mtp_modules] + ([self.mtp_output_heads] if self.mtp_output_heads else []))
             if self.init_from and self._trainer is not None:  # a fit, not load_from_checkpoint
                 self.mtp_load_report = checkpointing.load_weights(self, self.init_from)
+        self.mtp_shard_under_model_parallel()  # FSDP2 units (blocks, MTP modules, root) under ModelParallelStrategy
 
     def _init_weights(self, modules: list[nn.Module]) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 · n_layers)."""
@@ -183,6 +184,11 @@ class CausalLM(MTPMixin, L.LightningModule):
 
     def mtp_final_norm(self) -> nn.Module:
         return self.norm
+
+    def mtp_trunk_blocks(self) -> list[nn.Module]:
+        """The FSDP2 units of the trunk: its transformer blocks."""
+        self._ensure_built()
+        return list(self.layers)
 
     def mtp_trunk_hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         """:meth:`forward` in training: causal, or packed documents kept apart when ``position_ids`` are given."""

@@ -62,6 +62,7 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
+from lightning_mtp.fsdp import transformers_decoder_layers
 from lightning_mtp.layers import mlp_hidden_size
 from lightning_mtp.loss import LogitTransform
 from lightning_mtp.mixin import MTPMixin, check_block_spec
@@ -342,6 +343,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
                     rank_zero_info(self.mtp_native_report.summary())
             if self.mtp_heads:
                 self.mtp_load_report = self.load_mtp_heads(self.mtp_heads)
+        self.mtp_shard_under_model_parallel()  # FSDP2 units (decoder layers, MTP modules, root) under ModelParallel
 
     def train(self, mode: bool = True) -> HFCausalLM:
         super().train(mode)
@@ -370,6 +372,11 @@ class HFCausalLM(MTPMixin, L.LightningModule):
 
     def mtp_output_head(self) -> nn.Linear:
         return self.trunk.get_output_embeddings()
+
+    def mtp_trunk_blocks(self) -> list[nn.Module]:
+        """The FSDP2 units of the trunk: the model's decoder layers (the classes in its ``_no_split_modules``, as
+        ``accelerate`` wraps them), whatever the family."""
+        return transformers_decoder_layers(self.trunk)
 
     def mtp_trunk_hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         """:meth:`forward`; a packed batch's ``position_ids`` go to the model, which keeps documents apart (no

@@ -15,7 +15,7 @@ document and the block-diagonal causal mask of the documents, so no depth attend
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -71,8 +71,10 @@ class NativeMTPModule(nn.Module):
         positions: Optional[Tensor] = None,
         cache: Any = None,
         mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        """h_k (B, T, H), post-normed.
+        normed: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """h_k (B, T, H), post-normed; with ``normed``, the pair (h_k, its copy for the head) as the lightning
+        modules return (h_k, norm(h_k)) for the MTP loss.
 
         hidden: h_(k-1) at positions i (B, T, H); token_embedding: Emb(t(i+k)) (B, T, H). ``positions`` (B, T): the
         positions i (default 0..T-1; in a packed batch, i's position within its document); RoPE runs at i + depth.
@@ -99,7 +101,8 @@ class NativeMTPModule(nn.Module):
                          position_embeddings=position_embeddings)
         if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
             out = out[0]
-        return self.post_norm(out)
+        out = self.post_norm(out)
+        return (out, self.norm(out)) if normed else out
 
 
     def _kernel_is_causal_without_mask(self) -> bool:
