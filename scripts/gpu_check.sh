@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one command (at most 8 minutes on one GPU). Steps, each time-boxed; a failing step is recorded
+# The GPU check, in one command (at most 9 minutes on one GPU). Steps, each time-boxed; a failing step is recorded
 # and the next one runs:
 #
 #   env             torch / CUDA / device / package versions
@@ -15,6 +15,9 @@
 #                   greedy outputs must all equal eager plain decoding
 #   zero3_fit       two fit steps of configs/deepspeed_zero3.yaml under the stock deepspeed_stage_3 strategy on one GPU
 #                   (bf16-mixed); the losses must be finite
+#   fsdp2_fit       three fit steps of configs/quickstart.yaml layered with configs/fsdp.yaml (FSDP2, nccl) with
+#                   recompute, bf16 parameters and fp32 reductions, on two GPUs when the machine has two, else one;
+#                   the losses must be finite and the consolidated checkpoint must load and decode in one process
 #   decode_bench    benchmarks/decode.py, short: trains 20 s on the GPU, then times decoding (on CPU: the benchmark
 #                   moves the model there)
 #
@@ -32,7 +35,7 @@
 #   bash scripts/gpu_check.sh --out DIR --steps kernel_tests,ce_bench
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh           # default: .venv/bin/python, else python3
 #
-# Options: --out DIR; --steps a,b,c (names above); --budget SECONDS for all steps together (default 475; each step
+# Options: --out DIR; --steps a,b,c (names above); --budget SECONDS for all steps together (default 535; each step
 # has its own limit too, LIMIT_S below); --force runs the steps without a GPU too (to debug this script: they fail or
 # crawl on CPU). Exit status: 0 when every required step passed or there is no GPU, 1 otherwise.
 set -uo pipefail
@@ -40,12 +43,12 @@ CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 SCRIPT="scripts/gpu_check.sh"
 
-STEPS=(env install kernel_tests ce_bench verify_bench compile_decode zero3_fit decode_bench)
+STEPS=(env install kernel_tests ce_bench verify_bench compile_decode zero3_fit fsdp2_fit decode_bench)
 OPTIONAL_STEPS=" install "
-# Each step's own time limit (475 s in all: the default --budget). A step may also use what earlier steps left unused,
+# Each step's own time limit (535 s in all: the default --budget). A step may also use what earlier steps left unused,
 # as long as every later step keeps its own limit.
 declare -A LIMIT_S=([env]=15 [install]=30 [kernel_tests]=90 [ce_bench]=75 [verify_bench]=40 [compile_decode]=90
-                    [zero3_fit]=60 [decode_bench]=75)
+                    [zero3_fit]=60 [fsdp2_fit]=60 [decode_bench]=75)
 
 if [[ -n "${PYTHON:-}" ]]; then
   PY=$PYTHON
@@ -227,6 +230,46 @@ sys.exit(0 if losses and result["finite"] else 1)
 PY
 }
 
+step_fsdp2_fit() {
+  local dir=$1 hardware=() devices
+  if [[ "${GPU_CHECK_ON_GPU:-1}" == 1 ]]; then
+    devices=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
+    hardware=(--trainer.accelerator gpu --trainer.devices "$devices")
+  else  # --force without a GPU: two CPU processes (gloo)
+    devices=2
+    hardware=(--trainer.accelerator cpu --trainer.devices 2)
+  fi
+  "$PY" -m lightning_mtp.cli fit --config configs/quickstart.yaml --config configs/fsdp.yaml "${hardware[@]}" \
+    --trainer.strategy.init_args.param_dtype bfloat16 --trainer.strategy.init_args.reduce_dtype float32 \
+    --model.init_args.mtp.recompute true --trainer.max_steps 3 --trainer.limit_val_batches 0 \
+    --trainer.num_sanity_val_steps 0 --trainer.log_every_n_steps 1 --trainer.callbacks.init_args.dirpath "$dir/ckpt" \
+    --trainer.default_root_dir "$dir" --trainer.logger lightning.pytorch.loggers.CSVLogger \
+    --trainer.logger.save_dir "$dir" --trainer.logger.name fsdp2 --data.init_args.max_bytes 300000 || return $?
+  "$PY" - "$dir" "$devices" <<'PY'
+import csv
+import glob
+import json
+import math
+import sys
+
+import torch
+
+from lightning_mtp.models import load_causal_lm
+
+folder, devices = sys.argv[1], int(sys.argv[2])
+files = sorted(glob.glob(f"{folder}/fsdp2/*/metrics.csv"))  # the version: the model config's logger's
+rows = list(csv.DictReader(open(files[-1]))) if files else []
+losses = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
+model = load_causal_lm(f"{folder}/ckpt/last.ckpt").eval()  # the consolidated checkpoint, in one process
+out = model.generate(torch.randint(0, model.model_config.vocab_size, (1, 8)), 8)
+result = {"devices": devices, "steps": len(losses), "train/loss": losses,
+          "finite": all(math.isfinite(x) for x in losses), "decoded_tokens": int(out.num_new_tokens[0])}
+json.dump(result, open(f"{folder}/result.json", "w"), indent=1)
+print(result)
+sys.exit(0 if losses and result["finite"] and result["decoded_tokens"] == 8 else 1)
+PY
+}
+
 step_decode_bench() {
   local dir=$1
   "$PY" benchmarks/decode.py --train-seconds 20 --train-arg=--data.init_args.max_bytes=300000 \
@@ -249,7 +292,7 @@ if [[ "${1:-}" == __step ]]; then
 fi
 
 # ---------------------------------------------------------------------------------------------------------- driver
-OUT=outputs/gpu_check BUDGET_S=475 FORCE=0 SELECTED=("${STEPS[@]}")
+OUT=outputs/gpu_check BUDGET_S=535 FORCE=0 SELECTED=("${STEPS[@]}")
 while (($#)); do
   case "$1" in
     --out) OUT=$2; [[ $OUT == /* ]] || OUT=$CALLER_DIR/$OUT; shift 2 ;;

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh: a clean skip without a GPU, valid bash, honest bookkeeping, and every command it runs exists.
 
-The script's checks need a GPU (up to 8 minutes there); CI has none. So CI checks the skip (exit 0, one line saying
+The script's checks need a GPU (up to 9 minutes there); CI has none. So CI checks the skip (exit 0, one line saying
 why), the driver (a JSON per step and a summary, here with every step out of time), and that every file, flag,
 inline program and test helper the steps use is there, so that a rename elsewhere breaks this test rather than the
 next GPU run.
@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 TEXT = SCRIPT.read_text()
-STEPS = ["env", "install", "kernel_tests", "ce_bench", "verify_bench", "compile_decode", "zero3_fit", "decode_bench"]
+STEPS = ["env", "install", "kernel_tests", "ce_bench", "verify_bench", "compile_decode", "zero3_fit", "fsdp2_fit",
+         "decode_bench"]
 
 
 def gpu_present() -> bool:
@@ -33,7 +34,7 @@ def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(gpu_present(), reason="a GPU (or its driver) is here: the script would run its 8-minute check")
+@pytest.mark.skipif(gpu_present(), reason="a GPU (or its driver) is here: the script would run its 9-minute check")
 def test_skips_in_one_line_without_a_gpu(tmp_path):
     out = tmp_path / "out"
     proc = run_script("--out", str(out), cwd=tmp_path)  # from another folder: the script finds the repository
@@ -79,11 +80,12 @@ def commands() -> str:
 
 def test_referenced_files_inline_programs_and_helpers_exist():
     paths = set(re.findall(r"(?:benchmarks|configs|tests)/[\w*.-]+\.(?:py|yaml)", TEXT))
-    assert {"benchmarks/triton_kernels.py", "benchmarks/decode.py", "configs/deepspeed_zero3.yaml"} <= paths
+    assert {"benchmarks/triton_kernels.py", "benchmarks/decode.py", "configs/deepspeed_zero3.yaml",
+            "configs/quickstart.yaml", "configs/fsdp.yaml"} <= paths
     for path in paths:
         assert list(ROOT.glob(path)), f"{path} does not exist"
     programs = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", TEXT, re.S)
-    assert len(programs) == 8
+    assert len(programs) == 9
     for program in programs:
         compile(program, str(SCRIPT), "exec")
     test_decoding = ast.parse((ROOT / "tests" / "test_decoding.py").read_text())
