@@ -508,6 +508,35 @@ def render_train_overhead(source: Source) -> list[str]:
     ]
 
 
+def render_train_overhead_fsdp2(source: Source) -> list[str]:
+    data = source.data
+    settings, base, target = data["settings"], data["baseline"], data["target"]
+    out = [[r["architecture"], str(r["depth"]), "on" if r["recompute"] else "off",
+            " / ".join(num(mb, 1) for mb in r["peak_mb_per_rank"]), num(r["peak_memory_ratio"], 3),
+            num(r["one_process_peak_memory_ratio"], 3)] for r in data["rows"]]
+    arguments = {k: v for k, v in settings.items() if k != "processes"}
+    return [
+        "One training step of the bundled `CausalLM` under FSDP2 on 2 CPU processes (gloo, one thread each; "
+        "`lightning_mtp.fsdp.fully_shard_mtp`: the trunk's blocks, every MTP module and the root are units), against "
+        "the same model trained on next-token loss alone under FSDP2. **Peak memory per rank**: the peak tensor "
+        "memory a rank allocates during the step, gathered weights included, its shards and optimizer state held "
+        "between steps excluded; the ratio takes each configuration's larger rank. The last column is the same "
+        "ratio on one process, measured in the same run.", "",
+        f"- **Model:** vocabulary {settings['vocab']}, dim {settings['dim']}, {settings['layers']} layers, "
+        f"{settings['heads']} heads; batch {settings['batch_size']} × {settings['seq_len']} tokens per process",
+        f"- **Baseline (next-token only):** peak {' / '.join(num(mb, 1) for mb in base['peak_mb_per_rank'])} MiB "
+        f"per rank ({num(base['one_process_peak_mb'], 1)} MiB on one process)",
+        f"- **Goal:** with recompute, peak per rank ≤ {num(target['limit'])} × next-token training's: "
+        f"**{'met' if target['met'] else 'missed'}** (largest {num(target['peak_memory_ratio_max'], 3)}, "
+        f"{target['worst_row']})",
+        *provenance_lines(source, machine_text(data.get("machine")),
+                          command_text(data.get("command"), command_from("train_overhead.py",
+                                                                         {**arguments, "fsdp2": True}))),
+        *table(["architecture", "D", "recompute", "peak per rank (MiB)", "peak memory ratio",
+                "one process"], out),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------- validation_overhead.py
 VALIDATION_ARGS = ("tokenizer", "vocab_size", "seq_len", "batch_size", "val_batches", "active_depth", "max_bytes",
                    "repeats", "threads", "cache_dir")
@@ -833,6 +862,8 @@ REGISTRY: dict[str, Entry] = {
                                  render_hf_mtp_compare),
     "thin_linear.json": Entry("Small matrix products on CPU", render_thin_linear),
     "train_overhead.json": Entry("Training overhead: memory and time", render_train_overhead),
+    "train_overhead_fsdp2.json": Entry("Training overhead under FSDP2: peak memory per rank",
+                                       render_train_overhead_fsdp2),
     "validation_overhead.json": Entry("Validation cost of the monitoring callbacks", render_validation_overhead),
     "quality.json": Entry("Does MTP improve the main model?", render_quality),
     "distill_acceptance.json": Entry("Self-distillation and acceptance", render_distill_acceptance),
