@@ -34,11 +34,13 @@ from lightning_mtp.cli import main
 from lightning_mtp.cli_configs import bundled_configs
 
 report = {"module": lightning_mtp.__file__, "version": version("lightning-mtp"), "configs": {}}
-for name in bundled_configs():
+for name, file in bundled_configs().items():
     printed, code = io.StringIO(), None
+    # a trainer-only config (no top-level model:, as fsdp.yaml) is layered on a model config, as its header shows
+    layered = ["--config", "quickstart"] if not any(l.startswith("model:") for l in file.read_text().splitlines()) else []
     try:
         with contextlib.redirect_stdout(printed):
-            main(["predict" if name.startswith("predict") else "fit", "--config", name, "--print_config"])
+            main(["predict" if name.startswith("predict") else "fit", *layered, "--config", name, "--print_config"])
     except SystemExit as done:
         code = done.code
     report["configs"][name] = {"code": code, "printed": printed.getvalue()}
