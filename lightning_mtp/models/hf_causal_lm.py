@@ -3,7 +3,7 @@
 The trunk is a ``*ForCausalLM`` built from a config (``model_type`` + keyword arguments, or a config dict from YAML)
 or loaded from a *local* directory with ``from_pretrained`` (nothing is fetched from a hub). The MTP modules share
 the model's ``get_input_embeddings()`` and ``get_output_embeddings()``; decoding uses the model's own ``DynamicCache``
-through :class:`~lightning_mtp.decoding.hf_host.HFCacheHost`.
+through :class:`~lightning_mtp.models.hf_host.HFCacheHost`.
 
 Which hidden state the MTP modules read: ``transformers`` base models return ``last_hidden_state`` *after* their
 final norm (``LlamaModel.norm``, ``GPT2Model.ln_f``, ...), and the same holds for ``output_hidden_states[-1]``. We use
@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.decoding.hf_host import HFCacheHost, new_rollbackable_cache
+from lightning_mtp.models.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.fsdp import transformers_decoder_layers
 from lightning_mtp.layers import mlp_hidden_size
 from lightning_mtp.loss import LogitTransform
