@@ -467,3 +467,18 @@ def test_cli_predict_writes_generations_and_stats(tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["rows"] == 2 and stats["tau"] >= 1 and stats["tau_counts_bonus_token"]
     assert stats["generation"]["max_new_tokens"] == 5 and stats["generation"]["temperature"] == 1.0
+
+
+def test_a_model_built_lazily_by_generate_decodes_again():
+    """``generate`` on a CausalLM whose ``configure_model`` has not run builds it outside inference mode: a second
+    call (which checks the weights' versions) works, and equals the first."""
+    from lightning_mtp.models import CausalLM
+    from lightning_mtp.models.causal_lm import ModelConfig
+
+    torch.manual_seed(0)
+    lm = CausalLM(model=ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=54),
+                  mtp=MTPConfig(depth=2, architecture="cascaded")).eval()
+    prompt = torch.randint(0, 64, (1, 12))
+    first = lm.generate(prompt, 6, speculative=False)
+    assert not any(t.is_inference() for t in [*lm.parameters(), *lm.buffers()])
+    assert torch.equal(lm.generate(prompt, 6).sequences, first.sequences)

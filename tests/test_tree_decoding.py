@@ -87,20 +87,18 @@ def test_auto_greedy_equals_plain_greedy(models, architecture):
 
 @pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
 def test_auto_equals_plain_greedy_where_its_drafts_are_accepted(models, architecture, monkeypatch):
-    """``auto`` on prices that make drafting pay (its calibration replaced: a step costs 1 + 0.02 per verified node,
-    so timing noise cannot make it decode plainly, as on the test machine it may): it drafts at every step, switching
-    between chains and trees by the acceptance it learns on a ragged batch, and its output equals plain greedy
-    decoding while many drafts are accepted (τ well above 1), so the equality means something."""
-    from lightning_mtp.decoding import speculative
-
-    def fixed_prices(steps, run, prompts, lengths, new_tokens, context):
-        options = [o for o in steps.policy.options if o is not None]
-        steps.policy.memory.costs.step_seconds.update(
-            {"plain": 1.0, **{o.describe(): 1.0 + 0.02 * o.num_nodes for o in options}})
+    """``auto`` on costs that make drafting pay (a drafting call priced at 2% of a plain step and no timing learned,
+    so noise on the test machine cannot make it decode plainly): it drafts, switching between chains and trees by the
+    acceptance it learns on a ragged batch, and its output equals plain greedy decoding while many drafts are
+    accepted (τ well above 1), so the equality means something."""
+    from lightning_mtp.decoding import tree_policy
+    from lightning_mtp.decoding.auto import SWITCHES
 
     model = models[architecture]
-    monkeypatch.setattr(speculative, "calibrate_steps", fixed_prices)
-    monkeypatch.delitem(model.__dict__, "_mtp_auto_memory", raising=False)  # other tests' calibrations
+    monkeypatch.setattr(tree_policy, "draft_cost_share", lambda module: 0.02)
+    monkeypatch.setattr(SWITCHES, "fit", False)
+    monkeypatch.setattr(SWITCHES, "guard", False)
+    monkeypatch.delitem(model.__dict__, "_mtp_auto_memory", raising=False)  # other tests' memories
     input_ids, mask, prompts = ragged_prompts(seed=4)
     expected = [alone(model, p, 48) for p in prompts]
     chosen = set()
@@ -111,7 +109,7 @@ def test_auto_equals_plain_greedy_where_its_drafts_are_accepted(models, architec
         chosen.update(key for key, (_, tried) in next(iter(model.__dict__["_mtp_auto_memory"].values()))
                       .acceptance.items() if tried > 0)
     assert len({depth for depth, _ in chosen}) >= 2  # drafted more than one depth
-    model.__dict__.pop("_mtp_auto_memory", None)  # the next tests calibrate for themselves
+    model.__dict__.pop("_mtp_auto_memory", None)  # the next tests learn for themselves
 
 
 class MixedSteps:
@@ -167,6 +165,55 @@ def test_mixed_step_kinds_in_one_call_keep_the_sampling_distribution():
     out = decode_mixed(model, prompt.expand(rows, -1), None, 3, temperature=1.0, top_k=8,
                        generator=torch.Generator().manual_seed(1))
     check_first_three_tokens(model, prompt, out.new_tokens, "mixed steps")
+
+
+class MixedChains:
+    """The chain drafter's steps as ``auto`` takes them: plain steps (0 drafts: no drafting, no verification kernel)
+    between chains of every length, in an irregular order."""
+
+    COUNTS = [0, 1, 3, 0, 0, 2, 3, 0, 1, 2, 0, 3, 3, 1]
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def next(self) -> int:
+        self.steps += 1
+        return self.COUNTS[(self.steps * 5) % len(self.COUNTS)]
+
+    def observe_step(self, option, reached, active_rows, seconds) -> None:
+        pass
+
+
+def decode_mixed_chains(model, input_ids, mask, max_new_tokens, **config):
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.native_drafting import chain_drafter
+    from lightning_mtp.decoding.speculative import decode, prepare_prompts
+
+    host = decoding_host(model)
+    prompts, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
+    generator = config.pop("generator", None)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, speculative=True, **config)
+    return decode(host, chain_drafter(model), prompts, lengths, config, generator, policy=MixedChains())
+
+
+@pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
+def test_plain_steps_between_chains_equal_plain_greedy(models, architecture):
+    model = models[architecture]
+    input_ids, mask, prompts = ragged_prompts(seed=7)
+    expected = [alone(model, p, 48) for p in prompts]
+    out = decode_mixed_chains(model, input_ids, mask, 48)
+    assert rows_of(out) == expected
+    assert sum(out.stats.accepted_per_depth) > 0
+
+
+def test_plain_steps_between_chains_keep_the_sampling_distribution():
+    """A plain step inside a speculative call samples from p itself: the first three tokens' joint distribution
+    stays the model's across plain steps and chains of each length."""
+    model = draftable_model("cascaded")
+    prompt = torch.tensor([[5, 2, 9, 11, 3]])
+    out = decode_mixed_chains(model, prompt.expand(12288, -1), None, 3, temperature=1.0, top_k=8,
+                              generator=torch.Generator().manual_seed(2))
+    check_first_three_tokens(model, prompt, out.new_tokens, "plain steps between chains")
 
 
 def reference_children(model, sequence: torch.Tensor, newest: int, depth: int, count: int) -> list[int]:

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mtp.decoding.calibration import calibrate_steps
 from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, DraftLength
@@ -44,7 +42,7 @@ from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import speculative_step, verify_forward
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
-from lightning_mtp.decoding.tree_policy import AutoSteps, draft_plan
+from lightning_mtp.decoding.tree_policy import draft_plan
 from lightning_mtp.decoding.tree_step import tree_step
 from lightning_mtp.finite import check_finite_weights
 
@@ -211,8 +209,8 @@ def decode(
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
         policy.observe_step(option, reached, int(active_rows), time.perf_counter() - step_start)
-        if getattr(policy, "calibrated", False):  # `auto`'s calibration has all its samples: the decode is not needed
-            break
+    if hasattr(policy, "end_call"):
+        policy.end_call()
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -280,23 +278,10 @@ def generate(
             (the bundled ``CausalLM``, any module defining ``mtp_decoding_host()``, or any ``MTPMixin`` module
             through the uncached default host).
         input_ids: (B, L) prompt token ids.
-        max_new_tokens: tokens to generate per row (≥ 1); prompt + max_new_tokens must fit the model's context.
-        temperature: 0 = greedy, else sampling from softmax(logits / temperature).
-        top_k: keep the k most likely tokens when sampling.
-        top_p: nucleus sampling threshold in (0, 1].
-        speculative: ``"auto"`` (each step drafts what pays, measured; see :mod:`lightning_mtp.decoding.auto`),
-            ``True`` (always draft: ``draft_tokens``, ``draft_tree`` or ``draft_tree_nodes``) or ``False`` (plain
-            autoregressive decoding, the reference).
-        draft_tokens: drafts per step (default D; above D, cascaded modules only, the last module is re-applied).
-        eos_token_id: a row stops after emitting it.
-        pad_token_id: fills ``sequences`` and ``new_tokens`` after a row's last new token; default: the pad id of the
-            module's ``mtp_tokenizer`` record (the tokenizer it was trained with), else ``eos_token_id``.
         attention_mask: (B, L) 1 on prompt tokens; rows may have different prompt lengths (left or right padding).
-        generator: ``torch.Generator`` on the module's device for every random draw.
-        seed: sampling seed, the alternative to ``generator``: the same seed gives the same samples.
-        **options: the other :class:`~lightning_mtp.decoding.GenerationConfig` fields (``draft_confidence_threshold``,
-            ``adaptive_draft_tokens``, ``adaptive_min_reach``, ``acceptance``, ``typical_epsilon``,
-            ``typical_delta``, ``compile``).
+        generator: ``torch.Generator`` on the module's device for every random draw (or ``seed=``).
+        max_new_tokens, temperature, ...: the fields of :class:`~lightning_mtp.decoding.GenerationConfig`, which
+            documents each; ``pad_token_id`` defaults to the pad id of the tokenizer the module was trained with.
 
     Returns:
         :class:`GenerateOutput`: ``sequences`` (B, L + N) as ``transformers`` lays them out (``input_ids`` as given,
@@ -317,17 +302,20 @@ def generate(
         if generator is not None:
             raise ValueError("generate() takes either seed or generator, not both: the seed would be ignored")
         generator = torch.Generator(device=module_device_dtype(module)[0]).manual_seed(config.seed)
+    if hasattr(module, "require_mtp_modules"):
+        module.require_mtp_modules()  # a module built lazily (configure_model) is built here, not in inference mode
     host = decoding_host(module)
     check_finite_weights(module)
     check_special_ids(config, host.vocab_size)
     sync_ranks = needs_rank_sync(module)
     device, _ = module_device_dtype(module)
-    drafter, policy = draft_plan(module, host, config, prompt_batch(input_ids), device, sync_ranks)
+    seeded = config.seed is not None or generator is not None
+    drafter, policy = draft_plan(module, host, config, prompt_batch(input_ids), device, sync_ranks, seeded)
     fused_step = None
     if config.compile:
         if sync_ranks:
-            raise ValueError("compile (--model.generation.compile) cannot be used with DeepSpeed ZeRO-3 on several "
-                             "processes; leave it False")
+            raise ValueError("compile (--model.generation.compile) cannot be used when decoding is sharded over "
+                             "several processes (DeepSpeed ZeRO-3, FSDP2); leave it False")
         fixed_greedy = (drafter is not None and not config.sampling and config.draft_confidence_threshold is None
                         and not config.adaptive_draft_tokens)
         host, drafter, fused_step = compile_decoding(module, host, drafter, fixed_greedy)
@@ -335,24 +323,10 @@ def generate(
     check_budget(lengths, config.max_new_tokens, host.max_context)
     if sync_ranks and config.draft_confidence_threshold is not None and speculative:
         raise ValueError(
-            "draft_confidence_threshold (--model.generation.draft_confidence_threshold) cannot be used with DeepSpeed "
-            "ZeRO-3 on several processes: each rank would stop drafting at a different depth, run a different number "
-            "of parameter all-gathers, and deadlock; leave it unset"
+            "draft_confidence_threshold (--model.generation.draft_confidence_threshold) cannot be used when decoding "
+            "is sharded over several processes (DeepSpeed ZeRO-3, FSDP2): each rank would stop drafting at a "
+            "different depth, run a different number of parameter all-gathers, and deadlock; leave it unset"
         )
-    centre = int(lengths.max()) + config.max_new_tokens // 2  # the context this call decodes around
-    if isinstance(policy, AutoSteps) and policy.needs_calibration(centre):
-        # the call's own prompts and mode (greedy or sampling: sampled trees cost more), its own random stream
-        calibration = replace(config, max_new_tokens=1, eos_token_id=None, seed=None)
-
-        def run(calibration_prompts: Tensor, rows: Tensor, new_tokens: int, plain: bool = False) -> Any:
-            """Decode the calibration prompts with the policy's round robin, or (``plain``) in the plain loop."""
-            calibration.max_new_tokens = new_tokens
-            own = torch.Generator(device=device).manual_seed(0)
-            if plain:
-                return decode(host, None, calibration_prompts, rows, calibration, own)
-            return decode(host, drafter, calibration_prompts, rows, calibration, own, policy=policy)
-
-        calibrate_steps(policy, run, prompts, lengths, config.max_new_tokens, host.max_context)
     out = decode(host, drafter, prompts, lengths, config, generator, sync_ranks, fused_step, policy)
     # Plain tensors (not inference tensors), so that callers may use them in autograd.
     new_tokens = out.new_tokens.clone()  # (B, N)

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, Drafts
 from lightning_mtp.decoding.host import DecodingHost
-from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs, sample
+from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs, sample
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
 from lightning_mtp.kernels import VerifyOutput, verify_drafts
 from lightning_mtp.kernels.speculative_verify_torch import assemble_output
@@ -77,6 +77,15 @@ def speculative_step(
     windows), active rows, accepted drafts per depth (adaptive draft length)].
     """
     active = ~state.done
+    if num_drafts == 0:  # a plain step inside a speculative call (`auto`, an adaptive length): nothing to verify
+        hidden, positions, logits = verify_forward(host, cache, state, 0)
+        drafter.observe(draft_state, hidden, positions)
+        params = SamplingParams(config.temperature, config.top_k, config.top_p)
+        token = choose_tokens(logits[:, 0], params, generator)  # (B,)
+        state.histogram[0] += active.sum()
+        advanced = emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+        host.rollback(cache, state.newest)
+        return torch.stack([state.done.all().long(), advanced.max(), active.sum()])
     drafts = drafter.draft(draft_state, state.tokens, state.newest, num_drafts, draft_params, generator,
                            config.draft_confidence_threshold)
     hidden, positions, logits = verify_forward(host, cache, state, drafts.tokens.shape[1])

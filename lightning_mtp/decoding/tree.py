@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -36,10 +36,6 @@ from lightning_mtp.kernels.tree_verify_torch import ancestors, children_table, p
 MAX_DRAFT_DEPTH = 16
 """Deepest draft (tree depth or chain length) a step may propose; drafts beyond the MTP depth D re-apply the last
 cascaded module (see :mod:`lightning_mtp.decoding.tree_drafting`)."""
-
-
-MAX_RANK = 8
-"""Sibling ranks whose acceptance a tree step reports to ``speculative="auto"``."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +160,3 @@ def tree_attention_mask(prefix_end: Tensor, first_slot: Tensor, anc: Tensor, cac
         return tree.unsqueeze(1)
     linear = slots.view(1, 1, -1) <= linear_positions.unsqueeze(-1)  # (B, W, S)
     return torch.cat([linear, tree], dim=1).unsqueeze(1)
-
-
-def parse_tree(value: Optional[Sequence[int]]) -> Optional[TreeShape]:
-    """``GenerationConfig.draft_tree`` (a list of branching factors) as a :class:`TreeShape`."""
-    return None if value is None else TreeShape(branching=tuple(value))

@@ -93,8 +93,6 @@ class MTPTreeDrafter:
         self.max_drafts = max_depth
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
         self._static: dict[tuple, Any] = {}  # static trees' tables, window offsets, chain tables
-        self.report_ranks = False
-        """Whether tree steps report the accepted sibling ranks (``speculative="auto"`` learns from them)."""
 
     def static_tables(self, shape: TreeShape, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(ranks, ancestors (1, N+1, N+1), parents (1, N+1), depths (1, N+1)) of a static tree (once per shape)."""
@@ -104,10 +102,6 @@ class MTPTreeDrafter:
             self._static[key] = (layout.ranks, ancestors(layout.parents.unsqueeze(0), shape.depth),
                                  layout.parents.unsqueeze(0), layout.depths.unsqueeze(0))
         return self._static[key]
-
-    def layout_ranks(self, shape: TreeShape, device: torch.device) -> Tensor:
-        """(N+1,) sibling rank of every node of a static tree."""
-        return self.static_tables(shape, device)[0]
 
     def _module_index(self, depth: int) -> int:
         return min(depth, self.num_modules) - 1

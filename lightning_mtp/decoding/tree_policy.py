@@ -2,11 +2,12 @@
 
 ``speculative=False``: none. ``speculative=True``: the chain drafter for ``draft_tokens <= D`` (its fixed or adaptive
 length, :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one fixed shape
-(:class:`FixedTree`: a static tree, a dynamic tree, or a chain longer than D). ``speculative="auto"``: the tree drafter
-with :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among plain steps, chains and trees (only plain
-steps and chains on a host without tree verification). ``auto`` keeps the fixed chain of D under DeepSpeed ZeRO-3 on
-several processes (every rank must run the same forwards) and when a chain-only option is set (``compile``,
-``acceptance="typical"``, ``draft_confidence_threshold``, ``adaptive_draft_tokens``).
+(:class:`FixedTree`: a static tree, a dynamic tree, or a chain longer than D). ``speculative="auto"``:
+:class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D (the chain
+drafter); with a named tree or chain longer than D, among a plain step and that draft (the tree drafter). ``auto`` keeps the fixed
+chain of D when decoding is sharded over several processes (DeepSpeed ZeRO-3, FSDP2: every rank must run the same
+forwards) and when a chain-only option is set (``compile``, ``acceptance="typical"``, ``draft_confidence_threshold``,
+``adaptive_draft_tokens``).
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_mtp.decoding.auto import (
-    AutoMemory,
-    AutoPolicy,
-    candidate_options,
-    memory_for,
-)
-from lightning_mtp.decoding.calibration import RoundRobin
+from lightning_mtp.decoding.auto import SWITCHES, AutoMemory, AutoPolicy, candidate_options, memory_for
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.host import supports_trees
 from lightning_mtp.decoding.native_drafting import chain_drafter
-from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, MAX_RANK, TreeShape
+from lightning_mtp.decoding.step_cost import draft_cost_share
+from lightning_mtp.decoding.tree import TreeShape
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
 
 
@@ -45,83 +41,41 @@ class FixedTree:
 
 
 class AutoSteps:
-    """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy (tree or chain drafter); with
-    ``calibration`` set, the round-robin calibration run instead
-    (:func:`~lightning_mtp.decoding.calibration.calibrate_steps`)."""
+    """:class:`~lightning_mtp.decoding.auto.AutoPolicy` as a decoding loop's policy, for the chain drafter (options
+    are draft counts) or, for a named tree or a chain longer than D, the tree drafter (``tree_mode``: shapes)."""
 
-    def __init__(self, policy: AutoPolicy, max_depth: int, tree_mode: bool) -> None:
-        self.policy, self.max_depth, self.tree_mode = policy, max_depth, tree_mode
-        self.max_nodes = max((o.num_nodes for o in policy.options if o is not None), default=0) + 1
-        self.calibration: Optional[RoundRobin] = None
-        self.sampling = False
-        """A sampling call: it starts from the calibration's acceptance counts only (:meth:`start_sampling_call`)."""
-
-    def start_sampling_call(self) -> None:
-        """Where every sampling call starts: the calibration's acceptance counts (``StepCosts.acceptance``, the same
-        for every call, so that which random numbers a step consumes does not depend on earlier calls' outcomes),
-        and plain from the first step if they make every draft hopeless (measured at batch 8, where no chain pays:
-        exploring and then retiring cost each call 5-7% against plain)."""
-        policy = self.policy
-        policy.memory.acceptance = dict(policy.memory.costs.acceptance)
-        policy.begin_call()
-        if policy.hopeless():
-            policy.start_plain()
-
-    def needs_calibration(self, context: int) -> bool:
-        """Whether the call (decoding around ``context`` tokens) must calibrate first
-        (:meth:`~lightning_mtp.decoding.auto.StepCosts.needs_calibration`)."""
-        return self.policy.memory.costs.needs_calibration(context)
-
-    @property
-    def calibrated(self) -> bool:
-        """A calibration decode may stop: the round robin has all its samples."""
-        return self.calibration is not None and self.calibration.done
+    def __init__(self, policy: AutoPolicy, tree_mode: bool) -> None:
+        self.policy, self.tree_mode = policy, tree_mode
+        self.max_nodes = max(o.num_nodes for o in policy.options if o is not None) + 1 if tree_mode else 0
 
     @property
     def retired(self) -> bool:
-        """The decoding loop drops the drafter (plain steps only) once the policy retires drafting."""
-        return self.calibration is None and self.policy.retired
+        """The call decodes plainly from its first step (the drafter is not even set up)."""
+        return self.policy.retired
 
-    def _as_step(self, option: Optional[TreeShape]) -> Any:
+    def next(self) -> Any:
+        option = self.policy.next()
         if self.tree_mode:
             return option
         return 0 if option is None else option.depth  # the chain drafter takes a draft count
 
-    def next(self) -> Any:
-        chooser = self.calibration if self.calibration is not None else self.policy
-        return self._as_step(chooser.next())
+    def observe_step(self, option: Any, reached: list, active_rows: int, seconds: float) -> None:
+        """``reached``: per depth, the rows whose accepted path reached it (zeros beyond the step's draft)."""
+        shape = option if self.tree_mode else (None if option == 0 else TreeShape.chain(option))
+        self.policy.observe(shape, active_rows, reached[: 0 if shape is None else shape.depth], seconds)
 
-    def observe_step(self, option: Any, extra: list, active_rows: int, seconds: float) -> None:
-        if not self.tree_mode:
-            shape = None if option == 0 else TreeShape.chain(option)
-        else:
-            shape = option
-        if self.calibration is not None:
-            self.calibration.record(shape, seconds)  # and its acceptance is learned too
-        else:
-            self.policy.observe_seconds(shape, seconds)  # greedy: paired steps correct the prices
-        if active_rows <= 0:
-            return
-        accepted = extra[: self.max_depth] if self.tree_mode else extra[:option]
-        if shape is not None and shape.is_chain:  # depth d reached by the rows that accepted depth d-1
-            ranks = [[active_rows if d == 1 else accepted[d - 2], accepted[d - 1]] for d in range(1, shape.depth + 1)]
-        else:  # trees report, per depth: rows whose parent was reached, then accepted children by sibling rank
-            flat = extra[self.max_depth:]
-            width = MAX_RANK + 1
-            depth = 0 if shape is None else shape.depth
-            ranks = [flat[d * width: (d + 1) * width] for d in range(depth)]
-        tokens = 1.0 + sum(accepted) / active_rows
-        self.policy.update(shape, tokens, ranks)
+    def end_call(self) -> None:
+        self.policy.end_call()
 
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
-               sync_ranks: bool) -> tuple[Optional[Any], Optional[Any]]:
-    """(drafter, step policy) of a decoding call; ``(None, None)`` for plain decoding."""
+               sync_ranks: bool, seeded: bool = False) -> tuple[Optional[Any], Optional[Any]]:
+    """(drafter, step policy) of a decoding call; ``(None, None)`` for plain decoding. ``seeded``: the call samples
+    from a seed or a generator (see :mod:`~lightning_mtp.decoding.auto`)."""
     if config.speculative is False:
         return None, None
     modules = module.require_mtp_modules()
     depth = len(modules)
-    cascaded = module.mtp_config.architecture == "cascaded"
     trees = supports_trees(host) and module.mtp_config.layout != "native"  # native blocks draft chains only
     if module.mtp_config.layout == "native" and config.tree_shape(depth) is not None:
         raise ValueError(
@@ -142,7 +96,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         return MTPTreeDrafter(module, shape.depth), FixedTree(shape)
     if sync_ranks or config.chain_options():  # a chain-only option, or every rank must draft the same
         if config.tree_shape(depth) is not None:
-            why = "DeepSpeed ZeRO-3 on several processes" if sync_ranks else ", ".join(config.chain_options())
+            why = "sharded decoding on several processes" if sync_ranks else ", ".join(config.chain_options())
             raise ValueError(f"draft_tokens={config.draft_tokens} > D={depth} (a chain through re-applied modules) "
                              f"cannot be combined with {why}; use draft_tokens <= {depth}")
         return chain_drafter(module), None
@@ -150,36 +104,23 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     if requested is not None and not trees:
         raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
                          f"draft_tokens > D={depth}); leave them unset with speculative='auto'")
-    if requested is not None:
-        options = [None, requested]
-    else:
-        max_depth = config.draft_tokens or (min(depth + 1, MAX_DRAFT_DEPTH) if cascaded else depth)
-        options = candidate_options(max_depth, depth, cascaded, trees)
-    if not trees:
-        options = [o for o in options if o is None or (o.is_chain and o.depth <= depth)]
-    elif config.sampling and requested is None:
-        # Sampled trees verify sibling by sibling, each a residual update over the vocabulary: measured on CPU they
-        # did not pay (benchmarks/results/quickstart_model: tree [3, 2] 1.00x, dynamic 0.52x, chain k=2 1.30x), so
-        # sampling chooses among plain steps and chains (an explicit draft_tree is still honoured).
-        options = [o for o in options if o is None or o.is_chain]
+    # Chains of 1..D by the chain drafter. A chain of D+1 through the tree drafter was an option too: its steps cost
+    # a tree step's overhead, and it lost to the chain of D on every benchmark row (docs/decoding.md).
+    options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth)
+    # A seeded sampling call decides without timings: which draft a step makes decides which random numbers it
+    # consumes, so a seed must give the same samples wherever it runs (the prior cost model and the call's own
+    # acceptance only).
+    timings = not (config.sampling and seeded)
     dtype = module.mtp_output_head().weight.dtype
-    key = (type(host).__name__, batch, str(device), str(dtype), config.sampling,
+    key = (type(host).__name__, batch, str(device), str(dtype), config.sampling, timings,
            tuple(o and o.describe() for o in options))
-    memory = memory_for(module, key, AutoMemory)
-    if config.sampling:
-        # Which draft a step makes decides which random numbers it uses. So that a seed reproduces the samples,
-        # sampling decides from the calibration (its prices and the acceptance its own steps saw) and this call's
-        # own acceptance only, never from timings taken during decoding or from earlier calls (greedy output does
-        # not depend on the drafts, so it learns freely).
-        memory = AutoMemory(costs=memory.costs)  # the same costs: calibration fills them for both
-    policy = AutoPolicy(memory, options, batch, config.max_new_tokens, learn_prices=not config.sampling)
-    max_depth = max(o.depth for o in options if o is not None)
-    steps = AutoSteps(policy, max_depth, tree_mode=trees)
-    if config.sampling:
-        steps.sampling = True
-        steps.start_sampling_call()
-    if trees:
-        drafter = MTPTreeDrafter(module, max_depth)
-        drafter.report_ranks = True
-        return drafter, steps
-    return chain_drafter(module), steps
+    share = draft_cost_share(module)
+    build = lambda: AutoMemory.fresh(share, learn_costs=timings)  # noqa: E731
+    # A seeded sampling call starts from nothing earlier calls learned either, so that its samples depend on the
+    # seed alone.
+    memory = memory_for(module, key, build) if SWITCHES.memory and timings else build()
+    policy = AutoPolicy(memory, options, batch, timings=timings)
+    deepest = max(o.depth for o in options if o is not None)
+    if deepest > depth or not options[-1].is_chain:  # a tree, or a chain through re-applied modules: the tree drafter
+        return MTPTreeDrafter(module, deepest), AutoSteps(policy, tree_mode=True)
+    return chain_drafter(module), AutoSteps(policy, tree_mode=False)

@@ -21,7 +21,7 @@ from lightning_mtp.decoding.host import TreeHost
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
 from lightning_mtp.decoding.step import accept
-from lightning_mtp.decoding.tree import MAX_RANK, DraftTree, TreeShape, ancestors, tree_attention_mask
+from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
 from lightning_mtp.kernels import verify_tree
 from lightning_mtp.kernels.tree_verify_torch import TreeVerifyOutput
@@ -94,7 +94,6 @@ def tree_step(
         drafter.observe(draft_state, hidden, positions)
         advanced = emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
         accepted = torch.zeros(max_depth, dtype=torch.long, device=newest.device)
-        ranks = accepted.new_zeros(0)
     else:
         depth = option.depth
         tree = drafter.draft(draft_state, state.tokens, newest, option, draft_params, generator)
@@ -111,29 +110,8 @@ def tree_step(
         drafted = torch.zeros(newest.shape[0], depth, dtype=torch.long, device=newest.device)
         accepted = record_acceptance(state, drafted, verdict.num_accepted, active)
         accepted = torch.cat([accepted, accepted.new_zeros(max_depth - depth)])
-        ranks = rank_counts(drafter, option, verdict, active)
         advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens,
                         config.eos_token_id)
     host.rollback(cache, state.newest)
-    return torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted, ranks])
+    return torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
 
-
-def rank_counts(drafter: MTPTreeDrafter, shape: TreeShape, verdict: TreeVerifyOutput, active: Tensor) -> Tensor:
-    """(depth * (1 + MAX_RANK),) per depth d: active rows whose path reached depth d-1, then how many accepted the
-    rank-0, rank-1, ... candidate at depth d (static trees; zeros for dynamic ones; nothing for chains, whose
-    counts are the accepted drafts per depth of the step's summary)."""
-    depth = shape.depth
-    if not drafter.report_ranks or shape.is_chain:  # a chain's counts follow from the accepted drafts per depth
-        return active.new_zeros(0, dtype=torch.long)
-    counts = torch.zeros(depth, 1 + MAX_RANK, dtype=torch.long, device=active.device)
-    if shape.dynamic:
-        return counts.flatten()
-    ranks = drafter.layout_ranks(shape, active.device)[verdict.path[:, 1:]]  # (B, depth)
-    levels = torch.arange(1, depth + 1, device=active.device)
-    n = verdict.num_accepted.unsqueeze(1)
-    reached = (n >= levels - 1) & active.unsqueeze(1)  # (B, depth)
-    hit = (n >= levels) & active.unsqueeze(1)
-    counts[:, 0] = reached.sum(dim=0)
-    onehot = torch.nn.functional.one_hot(ranks.clamp_max(MAX_RANK - 1), MAX_RANK) * hit.unsqueeze(2)
-    counts[:, 1:] = onehot.sum(dim=0)
-    return counts.flatten()

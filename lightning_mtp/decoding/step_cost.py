@@ -1,0 +1,144 @@
+"""What a decoding step costs: a plain step; a drafting step adds a fixed overhead, a cost per draft depth and a cost
+per extra tree node.
+
+A step verifies ``n`` tokens for each of ``B`` rows in one trunk forward (``n = 1`` for a plain step, ``1 + nodes``
+when it drafts) after ``m`` drafting calls (one MTP module and the output head each; ``m`` is the draft's depth)::
+
+    seconds = plain                                                     (m = 0)
+    seconds = plain + overhead + per_depth · m + per_node · B · (n - 1 - m)   (m >= 1)
+
+* ``plain``: a plain step (a trunk forward over one token per row);
+* ``overhead``: what any drafting step adds whatever its depth (verifying drafts, accepting, rolling back);
+* ``per_depth``: what one more depth of a chain adds (a drafting call and one more verified token per row);
+* ``per_node``: what each tree node beyond the chain adds (a verified token-row), trees only.
+
+All are measured from the steps the decode runs, with medians (a decoding step's time on a busy machine has outliers
+that a mean or a least-squares fit over raw steps would follow): ``plain`` is the median of the last :data:`WINDOW`
+plain steps; for every draft depth ``m`` that ran, the median over its last :data:`WINDOW` steps of ``seconds - plain
+- per_node · extra node-rows`` is one point, and a straight line through these points gives ``overhead`` (its value
+at 0) and ``per_depth`` (its slope). With one depth measured, the line goes through the origin (no overhead).
+
+**Prior.** Until a kind of step is timed its cost comes from the memory-bound picture, in units of a plain step: a
+drafting call costs the bytes of one MTP module and the output head over the bytes of the trunk and the head
+(:func:`draft_cost_share`), and a verified token-row :data:`TOKEN_SHARE` of a plain step; ``per_node`` always does.
+Only ratios matter for choosing among drafts, so the prior needs no timing at all (and decides alone where timings
+must not: seeded sampling).
+
+Example::
+
+    >>> cost = StepCost(draft_share=0.25)
+    >>> round(cost.seconds(rows=1, tokens=1, drafts=0), 3), round(cost.seconds(rows=1, tokens=3, drafts=2), 3)
+    (1.0, 1.6)
+    >>> for _ in range(20):
+    ...     cost.observe(rows=1, tokens=1, drafts=0, seconds=0.010)
+    ...     cost.observe(rows=1, tokens=2, drafts=1, seconds=0.015)
+    ...     cost.observe(rows=1, tokens=4, drafts=3, seconds=0.021)
+    >>> plain, overhead, per_depth, per_node = cost.parameters()
+    >>> round(plain, 4), round(overhead, 4), round(per_depth, 4)
+    (0.01, 0.002, 0.003)
+    >>> round(cost.seconds(rows=1, tokens=3, drafts=2), 4)
+    0.018
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+TOKEN_SHARE = 0.05
+"""A verified token-row's cost in plain steps, in the prior (small: a decoding step of a few tokens is memory-bound)."""
+WINDOW = 32
+"""Timed steps of each kind (plain, drafting) whose median the costs are."""
+
+
+def parameter_bytes(module: Optional[nn.Module]) -> int:
+    """Bytes of ``module``'s parameters (each shared tensor once); 0 for ``None``."""
+    if module is None:
+        return 0
+    seen, total = set(), 0
+    for parameter in module.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            shape = getattr(parameter, "ds_shape", parameter.shape)  # DeepSpeed ZeRO-3 keeps the real shape there
+            total += int(torch.Size(shape).numel()) * parameter.element_size()
+    return total
+
+
+def draft_cost_share(module: Any) -> float:
+    """One drafting call's cost over a plain step's, memory-bound: (an MTP module + the output head) / (the trunk +
+    the head), from the parameters' bytes (the MTP modules are part of ``module`` and left out of the trunk)."""
+    modules = module.require_mtp_modules()
+    head = parameter_bytes(module.mtp_output_head())
+    total = parameter_bytes(module)
+    mtp = parameter_bytes(modules) + parameter_bytes(getattr(module, "mtp_output_heads", None))
+    per_module = mtp / max(len(modules), 1)
+    trunk = max(total - mtp, 1)
+    return min(1.0, (per_module + head) / trunk)
+
+
+class StepCost:
+    """The step-cost model of one decoding host, batch size and mode: :meth:`seconds` predicts, :meth:`observe`
+    learns (see the module docstring). Plain Python floats: it runs at every decoding step."""
+
+    def __init__(self, draft_share: float, learn: bool = True) -> None:
+        self.draft_share, self.learn = draft_share, learn
+        self.plain_steps: deque = deque(maxlen=WINDOW)  # seconds
+        self.drafting_steps: dict[int, deque] = {}  # depth -> (seconds, extra node-rows) of its last steps
+        self.timed = 0
+        self._fitted: Optional[tuple[float, float, float, float]] = None  # parameters() until the next step
+
+    def observe(self, rows: int, tokens: int, drafts: int, seconds: float) -> None:
+        """A timed step: ``rows`` rows verified ``tokens`` tokens each after ``drafts`` drafting calls."""
+        if not self.learn or rows <= 0 or not seconds > 0:
+            return
+        if drafts == 0:
+            self.plain_steps.append(seconds)
+        else:
+            steps = self.drafting_steps.setdefault(drafts, deque(maxlen=WINDOW))
+            steps.append((seconds, rows * (tokens - 1 - drafts)))
+        self.timed += 1
+        self._fitted = None
+
+    def parameters(self) -> tuple[float, float, float, float]:
+        """(plain, overhead, per_depth, per_node): in seconds once a plain step is timed, else in plain steps (the
+        prior)."""
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> tuple[float, float, float, float]:
+        plain = median(self.plain_steps) if self.plain_steps else 1.0
+        per_node = TOKEN_SHARE * plain
+        points = [(depth, median(s - plain - per_node * extra for s, extra in steps))
+                  for depth, steps in sorted(self.drafting_steps.items()) if steps] if self.plain_steps else []
+        if not points:
+            return plain, 0.0, (self.draft_share + TOKEN_SHARE) * plain, per_node
+        overhead, per_depth = _line(points)
+        return plain, overhead, per_depth, per_node
+
+    def seconds(self, rows: int, tokens: int, drafts: int) -> float:
+        """A step's predicted cost; never below a tenth of a plain step, so noise cannot price a step at nothing."""
+        plain, overhead, per_depth, per_node = self.parameters()
+        drafting = overhead + per_depth * drafts + per_node * rows * (tokens - 1 - drafts) if drafts else 0.0
+        return max(plain + drafting, 0.1 * plain)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through ``(depth, extra seconds)`` points, both at least 0;
+    through the origin where there is one depth, or where the free line would cross below it."""
+    through_origin = sum(d * y for d, y in points) / sum(d * d for d, _ in points)
+    if len(points) < 2:
+        return 0.0, max(through_origin, 0.0)
+    mean_d = sum(d for d, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((d - mean_d) * (y - mean_y) for d, y in points) / sum((d - mean_d) ** 2 for d, _ in points)
+    intercept = mean_y - slope * mean_d
+    if intercept < 0:
+        return 0.0, max(through_origin, 0.0)
+    if slope < 0:
+        return max(mean_y, 0.0), 0.0
+    return intercept, slope
