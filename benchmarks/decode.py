@@ -19,20 +19,22 @@ verified per row and step: k for a chain, null for ``auto``), ``batch_size``, ``
 (over plain decoding of the same mode and batch size); greedy rows say whether the output equals plain decoding
 token for token (``lossless``; null for sampling). ``auto`` rows also count the options the policy chose
 (``auto_choices``). The timing is the median over ``--repeats`` interleaved repeats; every row is run once before
-(a warm-up over the same prompts and batches: 8 new tokens, ``auto`` rows the whole budget), so ``auto``'s
-calibration at its first call per batch size is never timed (see :func:`measure`).
+(a warm-up over the same prompts and batches: 8 new tokens, ``auto`` rows the whole budget), so what ``auto`` learns
+in its first call per batch size (its step costs and acceptance) is learned before the timed calls, as in any
+longer-running use (see :func:`measure`).
 
 The summary (``decode_summary.json``) explains the speedup from measurement, in units of a plain decoding step
 (``benchmarks/decode_costs.py``): inside real decoding at batch 1, a speculative step's main forward, drafting and
 the rest (acceptance, bookkeeping, Python), for the chain of D and the fastest trees; in isolation at batch 1 and 8, a
 (k+1)-token verify forward, drafting through k modules, the tree verify forward over 1..64 tokens per row and the
 drafting of a tree depth below N nodes; and the weight bytes a step reads. It also holds what ``auto`` chose and
-learned, the best row per decoder, and the targets (issue #13), each met or missed.
+learned, the best row per decoder, and the targets of the default decoder (``auto`` against the fastest fixed
+decoder and against plain decoding, per mode and batch size), each met or missed.
 
 Usage::
 
     python benchmarks/decode.py --ckpt model.ckpt                  # a trained checkpoint (any CausalLM)
-    python benchmarks/decode.py --train-seconds 3600               # train with benchmarks/decode_model.yaml first
+    python benchmarks/decode.py --train-seconds 1200               # train with benchmarks/decode_model.yaml first
     python benchmarks/decode.py --ckpt outputs/quickstart/checkpoints/last.ckpt --max-new-tokens 32 --prompts 4 \
         --repeats 1 --no-compile --out /tmp/decode_smoke       # smoke test
 """
@@ -172,7 +174,7 @@ def plan_row(mode: str, decoder: str, batch: int, depth: int, policy: str = "fix
 def modes(depth: int, batch_sizes: list[int], compiled: bool = True, cascaded: bool = True) -> list[dict]:
     """The benchmark's rows (see the module docstring) for a model of MTP depth ``depth``."""
     trees = static_trees(depth, cascaded)
-    deepest = depth + 1 if cascaded else depth  # what `auto` and the dynamic trees draft to
+    deepest = depth + 1 if cascaded else depth  # what the dynamic trees draft to
     rows = []
     for batch in batch_sizes:
         rows.append(plan_row("greedy", "plain", batch, 0, "-", nodes=0, speculative=False))
@@ -198,7 +200,7 @@ def modes(depth: int, batch_sizes: list[int], compiled: bool = True, cascaded: b
                 rows.append(plan_row("greedy", "tree", batch, len(tree), tree=tree,
                                      nodes=TreeShape(branching=tuple(tree)).num_nodes, speculative=True,
                                      draft_tree=tree))
-        rows.append(plan_row("greedy", "auto", batch, deepest, "auto", speculative="auto"))
+        rows.append(plan_row("greedy", "auto", batch, depth, "auto", speculative="auto"))
     sampled_tree = trees[1] if len(trees) > 1 else trees[0]  # [3, 2, 1] at D = 3
     for batch in batch_sizes:
         rows.append(plan_row("sampling", "plain", batch, 0, "-", nodes=0, speculative=False, temperature=1.0))
@@ -211,7 +213,7 @@ def modes(depth: int, batch_sizes: list[int], compiled: bool = True, cascaded: b
                                  draft_tree=sampled_tree, temperature=1.0))
             rows.append(plan_row("sampling", "dynamic_tree", batch, deepest, nodes=16, speculative=True,
                                  draft_tree_nodes=16, draft_tokens=deepest, temperature=1.0))
-        rows.append(plan_row("sampling", "auto", batch, deepest, "auto", speculative="auto", temperature=1.0))
+        rows.append(plan_row("sampling", "auto", batch, depth, "auto", speculative="auto", temperature=1.0))
     if compiled:  # torch.compile'd step forwards (GenerationConfig.compile): plain and speculative, batch 1
         rows.append(plan_row("greedy-compiled", "plain", 1, 0, "-", nodes=0, speculative=False, compile=True))
         rows.append(plan_row("greedy-compiled", "chain", 1, depth, nodes=depth, speculative=True, draft_tokens=depth,
@@ -235,11 +237,10 @@ def measure(model, prompts: list[torch.Tensor], plan: list[dict], max_new: int, 
     """Run every row of ``plan`` once as a warm-up (same prompts and batches; ``warmup_tokens`` new tokens, ``auto``
     rows the whole budget), then ``repeats`` interleaved timed repeats; returns one record per row (median time).
 
-    ``auto`` calibrates at its first call per batch size, then tries options whose cost it only knows from the
-    calibration (when the calibration underestimates real steps, each looks cheaper than the tried ones). Greedy
-    ``auto`` keeps what it learned across calls, as a user's later calls would, so its whole-budget warm-up keeps
-    the calibration and that first exploration out of the timed repeats. Sampling ``auto`` starts every call from
-    the calibration alone (reproducible samples), so its exploration is timed."""
+    Greedy ``auto`` keeps what it learned across calls (its step costs and acceptance), as a user's later calls
+    would, so its whole-budget warm-up keeps that first exploration out of the timed repeats. Sampling ``auto`` with
+    a seed (every row here passes a generator) decides from its prior cost model and the call's own acceptance
+    (reproducible samples), so what it explores is timed."""
     for row in plan:
         if not row["kwargs"].get("compile"):  # compiled rows are warmed up (compiled) by main
             tokens = max_new if row["decoder"] == "auto" else min(warmup_tokens, max_new)
@@ -300,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--ckpt", type=Path, help="trained CausalLM checkpoint (else train one first)")
     parser.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "decode_model.yaml",
                         help="LightningCLI fit config of the benchmark model")
-    parser.add_argument("--train-seconds", type=float, default=3600.0, help="training budget without --ckpt")
+    parser.add_argument("--train-seconds", type=float, default=1200.0, help="training budget without --ckpt")
     parser.add_argument("--train-arg", action="append", default=[],
                         help="extra LightningCLI training argument (repeatable): --train-arg=--trainer.max_steps=500")
     parser.add_argument("--resume", type=Path, help="continue training a checkpoint this script saved (same config)")
@@ -425,11 +426,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     print()
     for name, result in targets.items():
         value = "n/a" if result["measured"] is None else f"{result['measured']:.2f}"
-        goal = ""
-        if "goal" in result:
-            goal = f", goal >= {result['goal']} {'met' if result['goal_met'] else 'missed'}"
-        print(f"{'MET   ' if result['met'] else 'MISSED'} {name}: {value} (target >= {result['target']}{goal}; "
-              f"at {result['at']})")
+        print(f"{'MET   ' if result['met'] else 'MISSED'} {name}: worst {value} (target >= {result['target']})")
+        for row in result["rows"]:
+            versus = f" vs {row['best_fixed']}" if "best_fixed" in row else ""
+            print(f"    {row['mode']:9} batch {row['batch_size']:>2}: {row['ratio']:.3f}{versus}")
     print(f"\nwrote {args.out / 'decode.json'}, {args.out / 'decode_summary.json'}, {args.out / 'decode.png'}")
     return rows
 

@@ -313,29 +313,24 @@ class AutoChoices:
 
 
 def auto_memory(model) -> list[dict]:
-    """What ``speculative="auto"`` learned on ``model`` (kept on the module per host, batch size, device, dtype and
-    option set): each option's measured step time (the calibration's), in plain steps, the prices greedy decoding's
-    paired steps corrected (and how many paired ratios it kept), the acceptance estimates per (depth, sibling rank)
-    and the measured tau of dynamic trees."""
+    """What ``speculative="auto"`` learned on ``model`` (kept on the module per host, batch size, device, dtype, mode
+    and option set): its step-cost model (a drafting step's overhead, a chain's cost per draft depth and a tree's
+    per extra node-row, in plain steps; the prior until a plain step is timed), the plain step it measured, and the
+    acceptance counts per (depth, the draft's kind: "chain", or a named tree)."""
     out = []
     for key, memory in model.__dict__.get("_mtp_auto_memory", {}).items():
-        names = ("host", "batch_size", "device", "dtype", "sampling")
+        names = ("host", "batch_size", "device", "dtype", "sampling", "timings")
         entry = dict(zip(names, key)) if isinstance(key, tuple) and len(key) >= len(names) else {"key": str(key)}
-        unit = memory.step_seconds.get("plain") or 1.0
-        costs = memory.costs
+        cost = memory.cost
+        plain, overhead, per_depth, per_node = cost.parameters()
+        unit = plain if cost.plain_steps else 1.0
         entry.update(
-            plain_step_s=unit,
-            calibrated_context=costs.calibrated_context,
-            plain_in_drafting_loop_in_plain_steps=(round(costs.plain_in_loop_s / unit, 3)
-                                                   if costs.plain_in_loop_s else None),
-            step_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.step_seconds.items())},
-            # greedy: the paired steps' corrections of those prices (lightning_mtp/decoding/paired_prices.py)
-            corrected_in_plain_steps={k: round(v / unit, 3) for k, v in sorted(memory.prices().items())
-                                      if abs(v / memory.step_seconds[k] - 1.0) > 1e-9},
-            paired_ratios=sum(len(v) for v in memory.paired.pairs.values()),
-            acceptance={f"depth {d} rank {r}": [round(hits, 2), round(tried, 2)]
-                        for (d, r), (hits, tried) in sorted(memory.acceptance.items())},  # (accepted, tried)
-            measured_tau=dict(memory.measured_tau),
+            plain_step_s=plain if cost.plain_steps else None, timed_steps=cost.timed,
+            cost_in_plain_steps={"drafting_overhead": round(overhead / unit, 4),
+                                 "per_draft_depth": round(per_depth / unit, 4),
+                                 "per_tree_node_row": round(per_node / unit, 4)},
+            acceptance={f"depth {d} {kind}": [round(hits, 2), round(tried, 2)]
+                        for (d, kind), (hits, tried) in sorted(memory.acceptance.items())},  # (accepted, tried)
         )
         out.append(entry)
     return out

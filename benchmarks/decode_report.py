@@ -1,16 +1,18 @@
-"""What ``benchmarks/decode.py``'s rows mean against issue #13: its targets, each met or missed at the row it was
-measured at, the fastest row per decoder, and the plot (speedup over draft length for chains, speedup and tau over
-the nodes verified per step for trees).
+"""What ``benchmarks/decode.py``'s rows mean: the default decoder's targets, each met or missed at its worst row,
+the fastest row per decoder, and the plot (speedup over draft length for chains, speedup and tau over the nodes
+verified per step for trees).
 
 Example::
 
     >>> rows = [dict(mode="greedy", batch_size=1, decoder="plain", speedup=1.0, tau=1.0, policy=None, tree=None,
     ...              nodes=None, draft_tokens=None, tokens_per_s=100.0),
     ...         dict(mode="greedy", batch_size=1, decoder="tree", speedup=1.5, tau=3.2, policy="fixed", tree=[2, 1, 1],
-    ...              nodes=6, draft_tokens=3, tokens_per_s=150.0)]
-    >>> met = check_targets(rows)["batch 1 greedy tau, best tree"]
+    ...              nodes=6, draft_tokens=3, tokens_per_s=150.0),
+    ...         dict(mode="greedy", batch_size=1, decoder="auto", speedup=1.44, tau=3.0, policy="auto", tree=None,
+    ...              nodes=None, draft_tokens=3, tokens_per_s=144.0)]
+    >>> met = check_targets(rows)["auto vs the best fixed decoder, greedy"]
     >>> met["measured"], met["met"]
-    (3.2, False)
+    (0.96, True)
     >>> best_per_decoder(rows)["greedy batch 1"]["tree"]["speedup"]
     1.5
 """
@@ -20,52 +22,53 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-TARGETS = {  # issue #13 (eager decoding, ratios within this run); "goal": a stretch value reported beside it
-    "batch 1 greedy speedup, best tree": {"target": 2.0},
-    "batch 1 greedy tau, best tree": {"target": 3.5},
-    "batch 8 greedy speedup, auto": {"target": 1.0, "goal": 1.3},
-    "batch 1 T=1 sampling speedup, best": {"target": 1.5},
+TARGETS = {  # the default decoder (speculative="auto"), eager decoding, ratios within this run
+    "auto vs the best fixed decoder, greedy": {"target": 0.95},
+    "auto vs the best fixed decoder, sampling": {"target": 0.95},
     "every auto row vs plain of its mode and batch": {"target": 0.97},
 }
+"""``auto`` within 5% of the fastest fixed decoder (a chain of any length, the adaptive or confidence chain, a static
+or dynamic tree) of its mode and batch size, and never below 0.97 of plain decoding; the sampling rows use a seed, so
+``auto`` decides there from its prior cost model (reproducible samples) and the target is reported, not promised."""
+
 
 def check_targets(rows: list[dict]) -> dict:
-    """Each of :data:`TARGETS` met or missed, with the row it was measured at."""
-    def best(candidates: list[dict], key: str = "speedup") -> Optional[dict]:
-        return max(candidates, key=lambda r: r[key], default=None)
-
-    greedy_trees = [r for r in rows if r["mode"] == "greedy" and r["batch_size"] == 1
-                    and r["decoder"] in ("tree", "dynamic_tree")]
-    wide = max((r["batch_size"] for r in rows), default=1)
-    batch8 = [r for r in rows if r["mode"] == "greedy" and r["batch_size"] == (8 if any(
-        r["batch_size"] == 8 for r in rows) else wide) and r["decoder"] == "auto"]
-    sampling = [r for r in rows if r["mode"] == "sampling" and r["batch_size"] == 1 and r["decoder"] != "plain"]
-    autos = [r for r in rows if r["decoder"] == "auto"]
-    measured = {
-        "batch 1 greedy speedup, best tree": (best(greedy_trees), "speedup"),
-        "batch 1 greedy tau, best tree": (best(greedy_trees), "tau"),
-        "batch 8 greedy speedup, auto": (best(batch8), "speedup"),
-        "batch 1 T=1 sampling speedup, best": (best(sampling), "speedup"),
-        "every auto row vs plain of its mode and batch": (min(autos, key=lambda r: r["speedup"], default=None),
-                                                          "speedup"),
-    }
+    """Each of :data:`TARGETS` met or missed, at its worst (mode, batch size), with every group's ratio."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["mode"] in ("greedy", "sampling"):
+            groups.setdefault((row["mode"], row["batch_size"]), []).append(row)
+    versus_fixed: dict[str, list[dict]] = {"greedy": [], "sampling": []}
+    versus_plain = []
+    for (mode, batch), group in sorted(groups.items()):
+        auto = next((r for r in group if r["decoder"] == "auto"), None)
+        fixed = [r for r in group if r["decoder"] not in ("auto", "plain")]
+        if auto is None or not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["speedup"])
+        versus_fixed[mode].append({"mode": mode, "batch_size": batch, "ratio": auto["speedup"] / best["speedup"],
+                                   "auto_speedup": auto["speedup"], "best_fixed": best_label(best),
+                                   "best_fixed_speedup": best["speedup"]})
+        versus_plain.append({"mode": mode, "batch_size": batch, "ratio": auto["speedup"]})
+    measured = {"auto vs the best fixed decoder, greedy": versus_fixed["greedy"],
+                "auto vs the best fixed decoder, sampling": versus_fixed["sampling"],
+                "every auto row vs plain of its mode and batch": versus_plain}
     out = {}
     for name, spec in TARGETS.items():
-        row, key = measured[name]
-        value = None if row is None else row[key]
-        where = None if row is None else {k: row[k] for k in ("mode", "decoder", "policy", "tree", "nodes",
-                                                               "batch_size", "draft_tokens")}
-        result = {"target": spec["target"], "measured": value, "met": value is not None and value >= spec["target"],
-                  "at": where}
-        if "goal" in spec:
-            result.update(goal=spec["goal"], goal_met=value is not None and value >= spec["goal"])
-        out[name] = result
-    top_tau = best(greedy_trees, "tau")
-    if top_tau is not None:  # the best tree is the fastest; a slower, bigger tree may reach a higher tau
-        out["batch 1 greedy tau, best tree"]["highest_tau_of_any_tree"] = {
-            k: top_tau[k] for k in ("tau", "speedup", "decoder", "tree", "nodes", "draft_tokens")}
-    out["every auto row vs plain of its mode and batch"]["rows"] = [
-        {"mode": r["mode"], "batch_size": r["batch_size"], "speedup": r["speedup"]} for r in autos]
+        worst = min(measured[name], key=lambda r: r["ratio"], default=None)
+        value = None if worst is None else worst["ratio"]
+        out[name] = {"target": spec["target"], "measured": value, "met": value is not None and value >= spec["target"],
+                     "rows": measured[name]}
     return out
+
+
+def best_label(row: dict) -> str:
+    """A fixed decoder in words: ``chain k=3 adaptive``, ``tree [4, 2, 1]``, ``dynamic 16 nodes``."""
+    if row["decoder"] == "tree":
+        return f"tree {row['tree']}"
+    if row["decoder"] == "dynamic_tree":
+        return f"dynamic {row['nodes']} nodes"
+    return f"chain k={row['draft_tokens']} {row['policy']}"
 
 
 def best_per_decoder(rows: list[dict]) -> dict:

@@ -9,9 +9,9 @@
    - ``transformers`` prompt-lookup decoding (``generate(prompt_lookup_num_tokens=...)``);
    - lightning-mtp plain decoding over the same ``transformers`` KV cache (``speculative=False``);
    - lightning-mtp self-speculative decoding with the MTP heads (``speculative=True``: a chain of D drafts);
-   - lightning-mtp ``speculative="auto"``: each step a plain step, a chain of 1..D+1 drafts or a static tree,
-     whichever its measured costs and running acceptance say pays (the ``transformers`` host verifies trees through
-     its 4-D attention mask). It calibrates at its first call, the warm-up, so calibration is not timed.
+   - lightning-mtp ``speculative="auto"``: each step a plain step or a chain of 1..D drafts, whichever its
+     measured costs and running acceptance say pays. What it learns in its first call, the warm-up, is learned
+     before the timed calls.
 
 Reports tokens/s (median over ``--repeats`` interleaved repeats), the speedup over ``transformers`` greedy and (our
 rows) over our plain decoding, both as a ratio of the medians and paired (the ratio within each repeat, median over
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "lightning_mtp_auto": ours("lightning_mtp_auto", "auto")}
     choices = AutoChoices()
     with torch.inference_mode():
-        for run in decoders.values():  # warm-up (auto calibrates at its first call)
+        for run in decoders.values():  # warm-up (auto learns its step costs and acceptance in its first call)
             run(prompts[0])
         taus.clear()
         reference = [hf_greedy(ids).tolist() for ids in prompts]
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "tau_counts_bonus_token": True, "timing": "median over repeats of the whole prompt set"},
         "trunk_training": trunk_info, "heads_training": heads_info, "rows": rows,
         "targets": targets,
-        "auto_memory": auto_memory(model),  # what auto calibrated and learned on this host
+        "auto_memory": auto_memory(model),  # what auto learned on this host
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -17,8 +17,8 @@ on the same model and prompts, in one run (issue #14).
    - batch 1: ``transformers`` greedy ``generate``; ``transformers`` ``generate(use_mtp=True)`` (its
      ``MTPCandidateGenerator``, which re-reads the MTP weights from the folder at every call: part of its cost);
      ours plain (``speculative=False``), chain (``speculative=True``: D drafts a step) and ``speculative="auto"``
-     (each step plain or a chain of 1..D drafts, whichever its measured costs and acceptance say pays; it calibrates
-     at its first call, the warm-up);
+     (each step plain or a chain of 1..D drafts, whichever its fitted step costs and acceptance say pays; it learns
+     them in its first call, the warm-up);
    - batch B (all prompts in one left-padded batch with an attention mask): ours plain, chain and auto
      (``transformers``' ``use_mtp`` decodes batch 1 only).
    Native MTP layers draft chains only (no trees): the drafting cache and the verify path of a ``transformers`` host
@@ -300,7 +300,7 @@ def measure(decoders: list[Decoder], prompts: list[torch.Tensor], repeats: int, 
         return list(decoder.run(batch_ids, batch_mask, tally))
 
     with torch.inference_mode():
-        for decoder in decoders:  # warm-up; auto calibrates here (once per batch size)
+        for decoder in decoders:  # warm-up; auto learns its costs and acceptance here (once per batch size)
             if decoder.batch_size == 1:
                 decoder.run(prompts[0], None, None)
             else:
@@ -437,7 +437,7 @@ def run(args: argparse.Namespace, scratch: Path, argv: Optional[list[str]] = Non
         "prompt_lengths": [p.shape[1] for p in prompts], "max_new_tokens": new, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "greedy": True, "eos": None,
         "timing": "median over repeats of the whole prompt set; decoders interleaved within each repeat; one "
-                  "untimed warm-up call each (auto calibrates there)",
+                  "untimed warm-up call each (auto learns there)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     })
     result = {**provenance(__file__, argv), "setup": setup, "notes": NOTES, "rows": rows,

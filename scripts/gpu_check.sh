@@ -20,6 +20,9 @@
 #                   the losses must be finite and the consolidated checkpoint must load and decode in one process
 #   decode_bench    benchmarks/decode.py, short: trains 20 s on the GPU, then times decoding (on CPU: the benchmark
 #                   moves the model there)
+#   roofline_check  benchmarks/decode_roofline.py --measure: step times of plain decoding and chains of 1..D of the
+#                   benchmark model's shape (random bf16 weights) at batch 1, 8 and 64 on the GPU, beside the
+#                   analytic model's prediction for that GPU (both in plain steps)
 #
 # Everything is JSON, under the output folder (default outputs/gpu_check/):
 #
@@ -43,12 +46,12 @@ CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 SCRIPT="scripts/gpu_check.sh"
 
-STEPS=(env install kernel_tests ce_bench verify_bench compile_decode zero3_fit fsdp2_fit decode_bench)
+STEPS=(env install kernel_tests ce_bench verify_bench compile_decode zero3_fit fsdp2_fit decode_bench roofline_check)
 OPTIONAL_STEPS=" install "
 # Each step's own time limit (535 s in all: the default --budget). A step may also use what earlier steps left unused,
 # as long as every later step keeps its own limit.
-declare -A LIMIT_S=([env]=15 [install]=30 [kernel_tests]=90 [ce_bench]=75 [verify_bench]=40 [compile_decode]=90
-                    [zero3_fit]=60 [fsdp2_fit]=60 [decode_bench]=75)
+declare -A LIMIT_S=([env]=15 [install]=20 [kernel_tests]=90 [ce_bench]=75 [verify_bench]=30 [compile_decode]=80
+                    [zero3_fit]=60 [fsdp2_fit]=60 [decode_bench]=75 [roofline_check]=30)
 
 if [[ -n "${PYTHON:-}" ]]; then
   PY=$PYTHON
@@ -282,6 +285,21 @@ import sys
 rows = json.load(open(f"{sys.argv[1]}/decode.json"))
 summary = json.load(open(f"{sys.argv[1]}/decode_summary.json"))
 json.dump({"rows": rows, "summary": summary}, open(f"{sys.argv[1]}/result.json", "w"), indent=1)
+PY
+}
+
+step_roofline_check() {
+  local dir=$1
+  "$PY" benchmarks/decode_roofline.py --measure --batch-sizes 1 8 64 --out "$dir/roofline.json" || return $?
+  "$PY" - "$dir" <<'PY'
+import json
+import sys
+
+measured = json.load(open(f"{sys.argv[1]}/roofline.json"))["measured"]
+json.dump(measured, open(f"{sys.argv[1]}/result.json", "w"), indent=1)
+for row in measured["rows"]:
+    print(row["batch_size"], row["option"], "measured", row["step_in_plain_steps"], "predicted",
+          row["predicted_step_in_plain_steps"])
 PY
 }
 

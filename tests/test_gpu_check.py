@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 TEXT = SCRIPT.read_text()
 STEPS = ["env", "install", "kernel_tests", "ce_bench", "verify_bench", "compile_decode", "zero3_fit", "fsdp2_fit",
-         "decode_bench"]
+         "decode_bench", "roofline_check"]
 
 
 def gpu_present() -> bool:
@@ -85,7 +85,7 @@ def test_referenced_files_inline_programs_and_helpers_exist():
     for path in paths:
         assert list(ROOT.glob(path)), f"{path} does not exist"
     programs = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", TEXT, re.S)
-    assert len(programs) == 9
+    assert len(programs) == 10
     for program in programs:
         compile(program, str(SCRIPT), "exec")
     test_decoding = ast.parse((ROOT / "tests" / "test_decoding.py").read_text())
@@ -102,7 +102,7 @@ def test_benchmarks_accept_the_flags_the_script_passes():
     for line in commands().splitlines():
         for name, rest in re.findall(r"(benchmarks/\w+\.py)(.*)", line):
             flags.setdefault(name, set()).update(re.findall(r"\s(--[a-z][\w-]*)", rest))
-    assert set(flags) == {"benchmarks/triton_kernels.py", "benchmarks/decode.py"}
+    assert set(flags) == {"benchmarks/triton_kernels.py", "benchmarks/decode.py", "benchmarks/decode_roofline.py"}
     procs = {
         name: subprocess.Popen([sys.executable, name, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

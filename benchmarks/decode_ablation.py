@@ -1,0 +1,133 @@
+"""Which of ``speculative="auto"``'s mechanisms pay: each turned off in turn, timed against the whole policy.
+
+The policy (:mod:`lightning_mtp.decoding.auto`) has four mechanisms, each a field of
+:data:`lightning_mtp.decoding.auto.SWITCHES`:
+
+- ``fit``: the step-cost model fitted online to timed steps (off: the prior from the weights' bytes alone);
+- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower;
+- ``memory``: costs and acceptance kept across calls (off: every call starts from the prior);
+- ``explore``: while stepping plainly, each chain measured in turn, and the deepest chain's two steps whenever
+  drafting resumes (off: the measurements draft the best-rated chain, so deeper depths are seen only when chosen).
+
+On one checkpoint and the same held-out prompts, greedy at batch 1 and 8: plain decoding, every fixed chain of
+1..D drafts, the whole policy and the policy without each mechanism, each row run once untimed (its warm-up call),
+then timed in ``--repeats`` interleaved repeats (median). A mechanism stays only if turning it off costs at least
+2% on some row (``benchmarks/results/decode_ablation.json``; the results page shows the table).
+
+Usage::
+
+    python benchmarks/decode_ablation.py --ckpt .cache/lightning_mtp/benchmarks/decode_model.ckpt
+    python benchmarks/decode_ablation.py --ckpt outputs/quickstart/checkpoints/last.ckpt --label quickstart --append
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import held_out_prompts, load, run_mode  # noqa: E402
+from report import provenance  # noqa: E402
+
+from lightning_mtp.decoding.auto import SWITCHES  # noqa: E402
+
+MECHANISMS = ("fit", "guard", "memory", "explore")
+
+
+def variants(depth: int) -> list[tuple[str, dict, dict]]:
+    """(name, generate kwargs, switches) of every row."""
+    rows = [("plain", {"speculative": False}, {})]
+    rows += [(f"chain k={k}", {"speculative": True, "draft_tokens": k}, {}) for k in range(1, depth + 1)]
+    rows.append(("auto", {"speculative": "auto"}, {}))
+    rows += [(f"auto without {m}", {"speculative": "auto"}, {m: False}) for m in MECHANISMS]
+    return rows
+
+
+def timed(model, prompts, batch: int, tokens: int, kwargs: dict, switches: dict, memory: dict) -> tuple[float, float]:
+    """(seconds, tau) of decoding every prompt with ``switches`` set (restored after) and ``memory`` as what ``auto``
+    learned on the model (each row learns in its own)."""
+    saved = dict(vars(SWITCHES))
+    vars(SWITCHES).update(switches)
+    model.__dict__["_mtp_auto_memory"] = memory
+    try:
+        start = time.perf_counter()
+        _, stats = run_mode(model, prompts, batch, tokens, seed=0, **kwargs)
+        return time.perf_counter() - start, stats["tau"]
+    finally:
+        vars(SWITCHES).update(saved)
+
+
+def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> dict:
+    torch.set_num_threads(args.threads)
+    model, data = load(args.ckpt, ROOT / "benchmarks" / "decode_model.yaml")
+    model.eval()
+    prompts = held_out_prompts(data, args.prompts, args.prompt_tokens)
+    depth = model.mtp_config.depth
+    rows = []
+    for batch in args.batch_sizes:
+        plan = variants(depth)
+        memories: dict[str, dict] = {name: {} for name, _, _ in plan}
+        for name, kwargs, switches in plan:  # warm-up: every row once, untimed (auto learns its first call here)
+            timed(model, prompts, batch, args.max_new_tokens, kwargs, switches, memories[name])
+        seconds: dict[str, list[float]] = {name: [] for name, _, _ in plan}
+        taus: dict[str, float] = {}
+        for _ in range(args.repeats):
+            for name, kwargs, switches in plan:
+                s, taus[name] = timed(model, prompts, batch, args.max_new_tokens, kwargs, switches, memories[name])
+                seconds[name].append(s)
+        median = {name: statistics.median(v) for name, v in seconds.items()}
+        tokens = len(prompts) * args.max_new_tokens
+        for name, _, _ in plan:
+            rows.append({"model": args.label, "batch_size": batch, "row": name, "tau": taus[name],
+                         "tokens_per_s": tokens / median[name], "vs_plain": median["plain"] / median[name],
+                         "vs_auto": median["auto"] / median[name]})
+        print(json.dumps([r for r in rows if r["batch_size"] == batch], indent=1), flush=True)
+    return {"rows": rows, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            **provenance(__file__, argv)}
+
+
+def verdicts(rows: list[dict]) -> dict[str, float]:
+    """Per mechanism, the most its removal cost on any row (``1 - vs_auto`` at its worst; below 0.02: drop it)."""
+    return {m: max(1.0 - r["vs_auto"] for r in rows if r["row"] == f"auto without {m}") for m in MECHANISMS
+            if any(r["row"] == f"auto without {m}" for r in rows)}
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", type=Path, required=True)
+    parser.add_argument("--label", default="benchmark model")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--append", action="store_true", help="add this model's rows to an existing --out")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_ablation.json")
+    args = parser.parse_args(argv)
+    result = run(args, argv)
+    if args.append and args.out.is_file():
+        earlier = json.loads(args.out.read_text())
+        result["rows"] = [r for r in earlier["rows"] if r["model"] != args.label] + result["rows"]
+        result["runs"] = [r for r in earlier.get("runs", []) if r.get("label") != args.label]
+    result.setdefault("runs", []).append({"label": args.label, "command": result.pop("command"),
+                                          "machine": result.pop("machine"), "settings": result.pop("settings")})
+    result["verdicts"] = verdicts(result["rows"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: {result['verdicts']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
