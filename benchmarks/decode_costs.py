@@ -323,9 +323,9 @@ def auto_memory(model) -> list[dict]:
         entry = dict(zip(names, key)) if isinstance(key, tuple) and len(key) >= len(names) else {"key": str(key)}
         cost = memory.cost
         plain, overhead, per_depth, per_node = cost.parameters()
-        unit = plain if cost.plain_steps else 1.0
+        unit = plain if cost.plain_timed else 1.0
         entry.update(
-            plain_step_s=plain if cost.plain_steps else None, timed_steps=cost.timed,
+            plain_step_s=plain if cost.plain_timed else None, timed_steps=cost.timed,
             cost_in_plain_steps={"drafting_overhead": round(overhead / unit, 4),
                                  "per_draft_depth": round(per_depth / unit, 4),
                                  "per_tree_node_row": round(per_node / unit, 4)},

@@ -55,6 +55,12 @@ ENV = "LIGHTNING_MTP_THIN_LINEAR"
 _choices: dict[tuple[int, int, int, int], bool] = {}
 
 
+def decisions() -> int:
+    """How many shapes have been measured in this process: a timed step during which it grows measured its matrix
+    products and says nothing about its own cost (``speculative="auto"`` does not learn from it)."""
+    return len(_choices)
+
+
 def thin_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)`` computed as ``(weight @ x.T).T``: x (..., K), weight (N, K) -> (..., N).
 

@@ -22,8 +22,9 @@ from lightning_mtp.decoding.auto import (
     AutoMemory,
     AutoPolicy,
     candidate_options,
+    measured_rate,
 )
-from lightning_mtp.decoding.step_cost import StepCost
+from lightning_mtp.decoding.step_cost import TOKEN_SHARE, StepCost
 from lightning_mtp.decoding.tree import TreeShape
 
 
@@ -98,6 +99,33 @@ def test_the_cost_model_learns_the_machines_step_costs():
     assert overhead == pytest.approx(0.0, abs=2e-4)
     assert cost.seconds(1, 4, 3) == pytest.approx(machine.fixed + machine.per_token * 4 + machine.per_draft * 3,
                                                   rel=0.02)
+
+
+def test_one_slow_step_does_not_decide():
+    """A step that measured new matrix-product shapes (or lost its thread) takes many times its cost: a median of
+    fewer than three steps would be that step, so a kind's median counts from three steps on, rates are mean tokens
+    over the median time, and a step reported without a time of its own (nan) is not learned from."""
+    cost = StepCost(draft_share=0.2)
+    for _ in range(5):
+        cost.observe(1, 1, 0, 0.010)
+    cost.observe(1, 3, 2, 0.500)
+    assert cost.parameters()[2] == pytest.approx((0.2 + TOKEN_SHARE) * 0.010)  # the prior, in seconds
+    cost.observe(1, 3, 2, 0.016)
+    cost.observe(1, 3, 2, 0.016)
+    assert cost.parameters()[1:3] == pytest.approx((0.0, 0.003))  # median 0.016: 0.006 over two depths
+    assert measured_rate([(1.0, 0.010)] * 15 + [(1.0, 1.0)]) == pytest.approx(100.0)
+    policy, chain = policy_for(), TreeShape.chain(2)
+    for option in (None, chain):  # the call's first step and the first draft after it are never timed
+        policy.next()
+        policy.observe(option, 1, [] if option is None else [1, 0], 0.010)
+    timed, tried = policy.memory.cost.timed, policy.memory.acceptance[(1, "chain")][1]
+    policy.next()
+    policy.observe(chain, 1, [1, 0], float("nan"))
+    assert policy.memory.cost.timed == timed  # not timed, but its acceptance counts
+    assert policy.memory.acceptance[(1, "chain")][1] > tried
+    policy.next()
+    policy.observe(chain, 1, [1, 0], 0.020)
+    assert policy.memory.cost.timed == timed + 1
 
 
 def test_the_prior_prices_a_drafting_call_by_the_weights_bytes(models):

@@ -5,37 +5,23 @@ names a tree or a chain longer than D, a plain step and that draft) as
 
     rate = active rows · expected tokens per row / predicted step seconds
 
-and takes the best. The two estimates:
+and takes the best (the design and its measurements: docs/decoding.md). Step seconds come from
+:class:`~lightning_mtp.decoding.step_cost.StepCost` (medians of the steps the decode times, a prior from the weights'
+bytes); expected tokens from running estimates of P(depth d is accepted | depth d-1 was), with the prior
+:data:`PRIOR_ACCEPTANCE` at depth 1 and each deeper depth starting from the one above.
 
-* **step seconds**: :class:`~lightning_mtp.decoding.step_cost.StepCost`: a plain step; a drafting step adds a fixed
-  overhead and a cost per draft depth (and per extra tree node). Medians of the steps the decode runs (every step is
-  timed already), with a prior from the weights' bytes;
-* **expected tokens**: running estimates of P(depth d is accepted | depth d-1 was), from the accepted counts every
-  step reports; a draft's expected length is 1 plus the sum over its depths of the product of these chances. Their
-  prior is :data:`PRIOR_ACCEPTANCE` at depth 1, and a deeper depth starts from the estimate of the one above.
+What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (a
+plain step; or, while plain, two steps of each chain in turn, the first catching the MTP modules up, untimed), and
+drafting resumes with two steps of the deepest draft, which see the acceptance of every depth. **The guard** steps
+plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of the last :data:`GUARD_WINDOW` drafting steps is
+below that of as many plain steps. **Memory**: costs, acceptance (scaled to :data:`CALL_START_TRIES` tries at a
+call's start) and the plain rate are kept per module, host, batch size, device and mode; a call that starts where
+the last ended on a hold, with drafting still rated below plain, decodes plainly without setting up the drafter
+(:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides afresh).
 
-What is not chosen is still measured:
-
-* after :data:`MEASURE_EVERY` steps of one kind, one of the other is taken: a plain step while drafting (the plain
-  rate stays current), or, while stepping plainly, two steps of each draft in turn (the first catches the MTP modules
-  up on the tokens they missed and is not timed);
-* whenever drafting resumes after plain steps (or the prompt), its first two steps draft the deepest option: the
-  second measures its cost and the acceptance at depths a shallower draft never reaches.
-
-Two mechanisms keep the estimates honest:
-
-* **the guard**: the *measured* tokens per second of the last :data:`GUARD_WINDOW` drafting steps are compared with
-  the *measured* rate of the last :data:`GUARD_WINDOW` plain steps; when drafting is slower, the call steps plainly
-  for :data:`HOLD_STEPS` steps (twice as many at each further hold) and then decides afresh;
-* **memory across calls**: the cost model, the acceptance counts and the plain rate are kept per module, host, batch
-  size, device and mode, so a later call starts from what earlier ones learned (acceptance counts are scaled down to
-  at most :data:`CALL_START_TRIES` tries at a call's start: prompts differ). A call that starts where the previous one
-  ended on the guard's plain hold, and whose best draft still rates below plain, decodes plainly from its first step
-  without setting up the drafter (:attr:`AutoPolicy.retired`); one such call in :data:`RECHECK_EVERY` decides afresh.
-
-Every option is lossless, so the policy only changes speed. With sampling, which draft a step makes decides which
-random numbers it consumes: a call with a seed (or a generator) therefore decides from the prior cost model and its
-own acceptance only, never from timings, and the same seed gives the same samples in any process.
+Every option is lossless. With sampling, which draft a step makes decides which random numbers it consumes: a call
+with a seed (or a generator) decides from the prior cost model and its own acceptance only, never from timings, so a
+seed gives the same samples in any process.
 
 Example::
 
@@ -48,9 +34,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Callable, Optional
 
-from lightning_mtp.decoding.step_cost import StepCost
+from lightning_mtp.decoding.step_cost import MIN_SAMPLES, StepCost
 from lightning_mtp.decoding.tree import TreeShape
 
 PRIOR_ACCEPTANCE = 0.6
@@ -100,9 +87,8 @@ class AutoMemory:
 
     @property
     def plain_rate(self) -> Optional[float]:
-        """Measured tokens per second of the last plain steps (``None`` before one is timed)."""
-        seconds = sum(s for _, s in self.plain_steps)
-        return sum(t for t, _ in self.plain_steps) / seconds if seconds > 0 else None
+        """Measured tokens per second of the last plain steps (``None`` before :data:`MIN_SAMPLES` are timed)."""
+        return measured_rate(self.plain_steps) if len(self.plain_steps) >= MIN_SAMPLES else None
 
     @classmethod
     def fresh(cls, draft_share: float, learn_costs: bool = True) -> AutoMemory:
@@ -214,8 +200,8 @@ class AutoPolicy:
                 choice, self.probe = self.probing, 1
             else:
                 choice = None
-        elif self.switches.guard and self.timings and choice is not None and not memory.plain_steps:
-            choice = None  # the guard's first plain measurement
+        elif self.switches.guard and self.timings and choice is not None and len(memory.plain_steps) < MIN_SAMPLES:
+            choice = None  # the guard's first plain measurements
         elif self.switches.explore and self.timings and choice is not None and self.after_plain:
             # drafting resumes after plain steps (or the prompt) with two steps of the deepest draft: the first
             # catches the modules up, the second measures its cost and the acceptance at every depth, which
@@ -242,9 +228,9 @@ class AutoPolicy:
         if not self.timings:
             return
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
-        if self.steps == 1 or catching_up:
-            # not timed: a call's first step (allocations, warm caches), and a draft after plain steps or the prompt
-            # (it also runs the MTP modules over the tokens they missed)
+        if self.steps == 1 or catching_up or not seconds > 0:
+            # not timed: a call's first step (allocations, warm caches), a draft after plain steps or the prompt (it
+            # also runs the MTP modules over the tokens they missed), and a step without a time of its own (nan)
             return
         if self.switches.fit:
             tokens = 1 if option is None else option.num_nodes + 1
@@ -256,14 +242,19 @@ class AutoPolicy:
         self.window = (self.window + [(emitted, seconds)])[-GUARD_WINDOW:]
         plain = self.memory.plain_rate
         if self.switches.guard and plain is not None and len(self.window) == GUARD_WINDOW:
-            drafting = sum(t for t, _ in self.window) / sum(s for _, s in self.window)
-            if drafting < plain:
+            if measured_rate(self.window) < plain:
                 self.holds += 1
                 self.hold, self.window = HOLD_STEPS * 2 ** (self.holds - 1), []
 
     def end_call(self) -> None:
         """The call is over: the next one starts plainly when this one ended on the guard's hold."""
         self.memory.ended_on_hold = self.hold > 0
+
+
+def measured_rate(steps: list[tuple[float, float]]) -> float:
+    """Tokens per second of timed ``(tokens, seconds)`` steps: mean tokens over the median step time, so that one slow
+    step (a first matrix-product shape being measured, a preempted thread) does not decide."""
+    return sum(t for t, _ in steps) / len(steps) / max(median(s for _, s in steps), 1e-12)
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

@@ -25,6 +25,7 @@ the adaptive draft length is driven by the all-reduced acceptance so every rank 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mtp import small_matmul
 from lightning_mtp.decoding.compiled import compile_decoding
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, DraftLength
@@ -202,13 +204,17 @@ def decode(
         if tree_mode:
             step = tree_step
         option = policy.next()
+        shapes_measured = small_matmul.decisions()
         step_start = time.perf_counter()
         summary = step(host, drafter, draft_state, cache, state, option, draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
-        policy.observe_step(option, reached, int(active_rows), time.perf_counter() - step_start)
+        seconds = time.perf_counter() - step_start
+        if small_matmul.decisions() != shapes_measured:
+            seconds = math.nan  # the step timed new matrix-product shapes (once per process): not its own cost
+        policy.observe_step(option, reached, int(active_rows), seconds)
     if hasattr(policy, "end_call"):
         policy.end_call()
 

@@ -12,17 +12,13 @@ when it drafts) after ``m`` drafting calls (one MTP module and the output head e
 * ``per_depth``: what one more depth of a chain adds (a drafting call and one more verified token per row);
 * ``per_node``: what each tree node beyond the chain adds (a verified token-row), trees only.
 
-All are measured from the steps the decode runs, with medians (a decoding step's time on a busy machine has outliers
-that a mean or a least-squares fit over raw steps would follow): ``plain`` is the median of the last :data:`WINDOW`
-plain steps; for every draft depth ``m`` that ran, the median over its last :data:`WINDOW` steps of ``seconds - plain
-- per_node · extra node-rows`` is one point, and a straight line through these points gives ``overhead`` (its value
-at 0) and ``per_depth`` (its slope). With one depth measured, the line goes through the origin (no overhead).
-
-**Prior.** Until a kind of step is timed its cost comes from the memory-bound picture, in units of a plain step: a
-drafting call costs the bytes of one MTP module and the output head over the bytes of the trunk and the head
-(:func:`draft_cost_share`), and a verified token-row :data:`TOKEN_SHARE` of a plain step; ``per_node`` always does.
-Only ratios matter for choosing among drafts, so the prior needs no timing at all (and decides alone where timings
-must not: seeded sampling).
+All are medians of the steps the decode runs (a step's time on a busy machine has outliers a mean would follow):
+``plain`` over the last :data:`WINDOW` plain steps; each draft depth ``m`` with :data:`MIN_SAMPLES` steps gives a point,
+the median of ``seconds - plain - per_node · extra node-rows``, and a line through the points gives ``overhead`` (at 0)
+and ``per_depth`` (its slope); through the origin where one depth is measured. **Prior**, until timed, in plain steps:
+a drafting call costs the bytes of an MTP module and the output head over those of the trunk and the head
+(:func:`draft_cost_share`), a verified token-row :data:`TOKEN_SHARE` (``per_node`` always). Only ratios matter, so
+the prior needs no timing (and decides alone where timings must not: seeded sampling).
 
 Example::
 
@@ -52,7 +48,10 @@ from torch import nn
 TOKEN_SHARE = 0.05
 """A verified token-row's cost in plain steps, in the prior (small: a decoding step of a few tokens is memory-bound)."""
 WINDOW = 32
-"""Timed steps of each kind (plain, drafting) whose median the costs are."""
+"""Timed steps of each kind (plain, each draft depth) whose median the costs are."""
+MIN_SAMPLES = 3
+"""Timed steps a kind needs before its median counts (a median of 3 ignores one outlier: the first steps of a shape
+in a process measure their matrix products, :mod:`lightning_mtp.small_matmul`)."""
 
 
 def parameter_bytes(module: Optional[nn.Module]) -> int:
@@ -103,18 +102,24 @@ class StepCost:
         self.timed += 1
         self._fitted = None
 
+    @property
+    def plain_timed(self) -> bool:
+        """Whether enough plain steps are timed for the costs to be in seconds."""
+        return len(self.plain_steps) >= MIN_SAMPLES
+
     def parameters(self) -> tuple[float, float, float, float]:
-        """(plain, overhead, per_depth, per_node): in seconds once a plain step is timed, else in plain steps (the
-        prior)."""
+        """(plain, overhead, per_depth, per_node): in seconds once :data:`MIN_SAMPLES` plain steps are timed, else in
+        plain steps (the prior)."""
         if self._fitted is None:
             self._fitted = self._fit()
         return self._fitted
 
     def _fit(self) -> tuple[float, float, float, float]:
-        plain = median(self.plain_steps) if self.plain_steps else 1.0
+        timed = self.plain_timed
+        plain = median(self.plain_steps) if timed else 1.0
         per_node = TOKEN_SHARE * plain
         points = [(depth, median(s - plain - per_node * extra for s, extra in steps))
-                  for depth, steps in sorted(self.drafting_steps.items()) if steps] if self.plain_steps else []
+                  for depth, steps in sorted(self.drafting_steps.items()) if len(steps) >= MIN_SAMPLES] if timed else []
         if not points:
             return plain, 0.0, (self.draft_share + TOKEN_SHARE) * plain, per_node
         overhead, per_depth = _line(points)
