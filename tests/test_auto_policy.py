@@ -35,8 +35,8 @@ def models():
 
 class Machine:
     """A simulated decoding host: a step costs ``fixed + per_token · rows · tokens + per_draft · drafts`` seconds
-    (plus ``overhead`` when it drafts), and each depth of a chain is accepted with probability ``accept`` given the depth above was (a static tree's depth
-    of ``b`` candidates: ``1 - (1 - accept)^b``)."""
+    (plus ``overhead`` when it drafts), and each depth of a chain is accepted with probability ``accept`` given the
+    depth above was (a static tree's depth of ``b`` candidates: ``1 - (1 - accept)^b``)."""
 
     def __init__(self, fixed=1.0, per_token=0.01, per_draft=0.2, accept=0.8, rows=1, seed=0, overhead=0.0):
         self.fixed, self.per_token, self.per_draft, self.accept, self.rows = fixed, per_token, per_draft, accept, rows

@@ -15,10 +15,10 @@ pytest.importorskip("transformers", reason="HFCausalLM needs the optional transf
 from lightning_mtp import MTPConfig  # noqa: E402
 from lightning_mtp.decoding import GenerationConfig, decoding_host  # noqa: E402
 from lightning_mtp.decoding.drafting import Drafts  # noqa: E402
-from lightning_mtp.models.hf_host import HFCacheHost  # noqa: E402
 from lightning_mtp.decoding.speculative import decode, prepare_prompts  # noqa: E402
 from lightning_mtp.kernels.linear_cross_entropy_torch import scale_and_cap  # noqa: E402
 from lightning_mtp.models import HFCausalLM  # noqa: E402
+from lightning_mtp.models.hf_host import HFCacheHost  # noqa: E402
 
 VOCAB = 96
 EOS = 3

@@ -37,7 +37,8 @@ report = {"module": lightning_mtp.__file__, "version": version("lightning-mtp"),
 for name, file in bundled_configs().items():
     printed, code = io.StringIO(), None
     # a trainer-only config (no top-level model:, as fsdp.yaml) is layered on a model config, as its header shows
-    layered = ["--config", "quickstart"] if not any(l.startswith("model:") for l in file.read_text().splitlines()) else []
+    has_model = any(line.startswith("model:") for line in file.read_text().splitlines())
+    layered = [] if has_model else ["--config", "quickstart"]
     try:
         with contextlib.redirect_stdout(printed):
             main(["predict" if name.startswith("predict") else "fit", *layered, "--config", name, "--print_config"])

@@ -141,8 +141,8 @@ class AutoPolicy:
                 scale = CALL_START_TRIES / counts[1]
                 counts[0], counts[1] = counts[0] * scale, counts[1] * scale
         self.retired = False
-        if self.switches.guard and self.timings and memory.ended_on_hold and self._rate(self._ranked()[0]) <= \
-                self._rate(None):
+        ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
+        if ended_plain and self._rate(self._best()) <= self._rate(None):
             memory.plain_calls += 1
             self.retired = memory.plain_calls % RECHECK_EVERY != 0
         else:
@@ -173,9 +173,9 @@ class AutoPolicy:
         tokens, drafts = (1, 0) if option is None else (option.num_nodes + 1, option.depth)
         return rows * self.expected_tokens(option) / self.memory.cost.seconds(rows, tokens, drafts)
 
-    def _ranked(self) -> list[Optional[TreeShape]]:
-        """Drafting options, best first."""
-        return sorted((o for o in self.options if o is not None), key=self._rate, reverse=True)
+    def _best(self) -> TreeShape:
+        """The drafting option of the highest rate."""
+        return max((o for o in self.options if o is not None), key=self._rate)
 
     # ----------------------------------------------------------------- choosing
     def next(self, active_rows: Optional[int] = None) -> Optional[TreeShape]:
@@ -186,28 +186,29 @@ class AutoPolicy:
         if self.hold > 0:
             self.hold -= 1
             return None
-        memory, best = self.memory, self._ranked()[0]
-        choice = None if self._rate(best) <= self._rate(None) else best
+        memory = self.memory
         if self.probe > 0:
             self.probe, choice = self.probe - 1, self.probing
-        elif self.timings and memory.streak >= MEASURE_EVERY and (choice is None) == memory.last_plain:
-            # a measured step of the other kind: a plain step, or two steps of each draft in turn (the first after
-            # plain steps catches the modules up and is not timed)
-            if choice is None:
-                drafts = self.options[1:] if self.switches.explore else [best]
-                self.probing = drafts[memory.measured % len(drafts)]
-                memory.measured += 1
+        else:
+            best = self._best()
+            choice = None if self._rate(best) <= self._rate(None) else best
+            if self.timings and memory.streak >= MEASURE_EVERY and (choice is None) == memory.last_plain:
+                # a measured step of the other kind: a plain step, or two steps of each draft in turn (the first
+                # after plain steps catches the modules up and is not timed)
+                if choice is None:
+                    drafts = self.options[1:] if self.switches.explore else [best]
+                    self.probing = drafts[memory.measured % len(drafts)]
+                    memory.measured += 1
+                    choice, self.probe = self.probing, 1
+                else:
+                    choice = None
+            elif self.switches.guard and self.timings and choice is not None and len(memory.plain_steps) < MIN_SAMPLES:
+                choice = None  # the guard's first plain measurements
+            elif self.switches.explore and self.timings and choice is not None and self.after_plain:
+                # drafting resumes with two steps of the deepest draft: the first catches the modules up, the second
+                # measures its cost and the acceptance at depths shallower drafts never reach
+                self.probing = self.options[-1]
                 choice, self.probe = self.probing, 1
-            else:
-                choice = None
-        elif self.switches.guard and self.timings and choice is not None and len(memory.plain_steps) < MIN_SAMPLES:
-            choice = None  # the guard's first plain measurements
-        elif self.switches.explore and self.timings and choice is not None and self.after_plain:
-            # drafting resumes after plain steps (or the prompt) with two steps of the deepest draft: the first
-            # catches the modules up, the second measures its cost and the acceptance at every depth, which
-            # shallower drafts never reach
-            self.probing = self.options[-1]
-            choice, self.probe = self.probing, 1
         memory.streak = memory.streak + 1 if (choice is None) == memory.last_plain else 1
         memory.last_plain = choice is None
         return choice
@@ -229,8 +230,7 @@ class AutoPolicy:
             return
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
         if self.steps == 1 or catching_up or not seconds > 0:
-            # not timed: a call's first step (allocations, warm caches), a draft after plain steps or the prompt (it
-            # also runs the MTP modules over the tokens they missed), and a step without a time of its own (nan)
+            # untimed: a call's first step, a draft after plain steps (it catches the modules up), a nan time
             return
         if self.switches.fit:
             tokens = 1 if option is None else option.num_nodes + 1

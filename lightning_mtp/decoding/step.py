@@ -29,6 +29,17 @@ def verify_forward(host: DecodingHost, cache: Any, state: DecodeState, k: int) -
     return hidden, positions, host.main_logits(hidden)
 
 
+def plain_step(host: DecodingHost, drafter: Any, draft_state: Any, cache: Any, state: DecodeState,
+               config: GenerationConfig, generator: Optional[torch.Generator] = None) -> Tensor:
+    """A plain step inside a speculative call: the trunk over each row's newest token, the next token chosen from p
+    as plain decoding does, and the drafter shown the hidden state (it drafts from it later). Returns the tokens
+    each row advanced (B,); the caller rolls the cache."""
+    hidden, positions, logits = verify_forward(host, cache, state, 0)
+    drafter.observe(draft_state, hidden, positions)
+    token = choose_tokens(logits[:, 0], SamplingParams(config.temperature, config.top_k, config.top_p), generator)
+    return emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+
+
 def accept_typical(
     draft_tokens: Tensor, probs: Tensor, epsilon: float, delta: float, generator: Optional[torch.Generator] = None
 ) -> VerifyOutput:
@@ -78,12 +89,8 @@ def speculative_step(
     """
     active = ~state.done
     if num_drafts == 0:  # a plain step inside a speculative call (`auto`, an adaptive length): nothing to verify
-        hidden, positions, logits = verify_forward(host, cache, state, 0)
-        drafter.observe(draft_state, hidden, positions)
-        params = SamplingParams(config.temperature, config.top_k, config.top_p)
-        token = choose_tokens(logits[:, 0], params, generator)  # (B,)
+        advanced = plain_step(host, drafter, draft_state, cache, state, config, generator)
         state.histogram[0] += active.sum()
-        advanced = emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
         host.rollback(cache, state.newest)
         return torch.stack([state.done.all().long(), advanced.max(), active.sum()])
     drafts = drafter.draft(draft_state, state.tokens, state.newest, num_drafts, draft_params, generator,

@@ -18,9 +18,9 @@ from torch import Tensor
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafts
 from lightning_mtp.decoding.host import TreeHost
-from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
+from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
-from lightning_mtp.decoding.step import accept
+from lightning_mtp.decoding.step import accept, plain_step
 from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
 from lightning_mtp.kernels import verify_tree
@@ -86,13 +86,7 @@ def tree_step(
     rows = torch.arange(newest.shape[0], device=newest.device).unsqueeze(1)
     max_depth = drafter.max_drafts
     if option is None:
-        positions = newest.unsqueeze(1)  # (B, 1)
-        hidden = host.forward(state.tokens.gather(1, positions), positions, cache)
-        state.main_forwards += 1
-        token = choose_tokens(host.main_logits(hidden)[:, 0], SamplingParams(
-            config.temperature, config.top_k, config.top_p), generator)  # (B,)
-        drafter.observe(draft_state, hidden, positions)
-        advanced = emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+        advanced = plain_step(host, drafter, draft_state, cache, state, config, generator)
         accepted = torch.zeros(max_depth, dtype=torch.long, device=newest.device)
     else:
         depth = option.depth

@@ -61,11 +61,11 @@ from torch import Tensor, nn
 from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
-from lightning_mtp.models.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.fsdp import transformers_decoder_layers
 from lightning_mtp.layers import mlp_hidden_size
 from lightning_mtp.loss import LogitTransform
 from lightning_mtp.mixin import MTPMixin, check_block_spec
+from lightning_mtp.models.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.native import build_native_modules, keep_fp32
 from lightning_mtp.native.checkpoint import NativeImportReport, import_native_layers, refuse_other_layout
 from lightning_mtp.native.export import export_native
