@@ -1,7 +1,8 @@
 """Write ``docs/results.md`` from the benchmarks' JSON under ``benchmarks/results/``.
 
 Every JSON file there is rendered: the files in :data:`REGISTRY` by their own renderer (one small function per
-benchmark, plain Markdown tables), any other JSON by a short generic section that lists its top-level keys, so that a
+benchmark, plain Markdown tables; the decoding ones in ``report_decoding.py``, the shared formatting in
+``report_format.py``), any other JSON by a short generic section that lists its top-level keys, so that a
 new benchmark shows up on the page instead of being dropped. A PNG named like a JSON file is linked in that file's
 section; other figures go to the last section. The output depends on the JSON alone (sorted, fixed float formats, no
 timestamps), so ``--check`` can compare it with the committed page.
@@ -19,460 +20,42 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import json
-import os
-import platform
-import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_decoding import (  # noqa: E402
+    render_decode,
+    render_decode_ablation,
+    render_decode_roofline,
+    render_hf_compare,
+    render_hf_mtp_compare,
+)
+from report_format import (  # noqa: E402,F401  (provenance: what the benchmark scripts import from here)
+    DEV_MACHINE,
+    ROOT,
+    Entry,
+    Source,
+    code,
+    command_from,
+    command_text,
+    documented_commands,
+    machine_text,
+    machines_text,
+    num,
+    provenance,
+    provenance_lines,
+    result_link,
+    table,
+    times,
+)
+
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "results.md"
 COMMAND = "python benchmarks/report.py"
-DEV_MACHINE = "the project's 2-core CPU development machine"
-"""What is known of the machine behind a JSON that does not record its own."""
-
-
-# ----------------------------------------------------------------------------------------------- what runs record
-def provenance(script: str, argv: Optional[Sequence[str]] = None, device: str = "cpu") -> dict[str, Any]:
-    """The command line and the machine of a benchmark run, for its JSON: ``{"command": ..., "machine": {...}}``.
-
-    ``script``: the benchmark's ``__file__``; ``argv``: the arguments its ``main`` parsed (default ``sys.argv[1:]``);
-    ``device``: where the measured work ran. Call it after the script has set its torch threads."""
-    import torch
-
-    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-               "torch_threads": torch.get_num_threads(), "device": device}
-    if torch.cuda.is_available():
-        machine["gpu"] = torch.cuda.get_device_name()
-    return {"command": shlex.join(["python", f"benchmarks/{Path(script).name}", *args]), "machine": machine}
-
-
-# ----------------------------------------------------------------------------------------------- formatting
-def num(value: Any, digits: int = 2, suffix: str = "") -> str:
-    """``value`` with ``digits`` decimals (``–`` for None, yes/no for booleans)."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, str):
-        return value
-    text = f"{value:.{digits}f}"
-    if text.lstrip("-").strip("0.") == "":
-        text = text.lstrip("-")
-    return text + suffix
-
-
-def plural(count: Any, noun: str) -> str:
-    """``1 torch thread``, ``2 torch threads``."""
-    return f"{count} {noun}" + ("" if str(count) == "1" else "s")
-
-
-def times(value: Any, digits: int = 2) -> str:
-    """A ratio: ``1.23×``."""
-    return num(value, digits, "×")
-
-
-def code(text: Any) -> str:
-    return f"`{text}`"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A Markdown table (pipes inside cells escaped)."""
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    return [line(header), line(["---"] * len(header)), *(line(r) for r in rows), ""]
-
-
-def per_depth(values: Optional[Sequence[Any]], digits: int = 2) -> str:
-    """Per-depth values: ``0.81 / 0.66 / 0.55``."""
-    return " / ".join(num(v, digits) for v in values) if values else "–"
-
-
-def command_from(script: str, arguments: dict[str, Any], skip: Sequence[str] = ("out",)) -> str:
-    """The command line that gives ``arguments`` (argparse dests, in recorded order) to ``benchmarks/<script>``."""
-    parts = ["python", f"benchmarks/{script}"]
-    for key, value in arguments.items():
-        if key in skip or value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        elif isinstance(value, list):
-            parts += [flag, *map(str, value)]
-        else:
-            parts += [flag, str(value)]
-    return shlex.join(parts)
-
-
-def documented_commands(script: str) -> list[str]:
-    """The ``python benchmarks/...`` lines of a script's docstring (continuations joined, comments dropped)."""
-    doc = ast.get_docstring(ast.parse((ROOT / "benchmarks" / script).read_text(encoding="utf-8"))) or ""
-    commands, current = [], ""
-    for raw in doc.splitlines():
-        line = " ".join(raw.split("  #")[0].split())
-        if current:
-            current += " " + line.rstrip("\\").strip()
-        elif line.startswith("python benchmarks/"):
-            current = line.rstrip("\\").strip()
-        if current and not line.endswith("\\"):
-            commands.append(current)
-            current = ""
-    return commands
-
-
-MACHINE_FIELDS: dict[str, Callable[[Any], str]] = {
-    "platform": str,
-    "processor": lambda v: f"processor {v}",
-    "cpus": lambda v: f"{v} CPUs",
-    "python": lambda v: f"Python {v}",
-    "torch": lambda v: f"torch {v}",
-    "transformers": lambda v: f"transformers {v}",
-    "torch_threads": lambda v: plural(v, "torch thread"),
-    "threads": lambda v: plural(v, "torch thread"),
-    "threads_per_run": lambda v: plural(v, "torch thread") + " per run",
-    "runs_at_once": lambda v: f"{v} runs at once",
-    "device": lambda v: f"device {v}",
-    "gpu": lambda v: f"GPU {v}",
-}
-
-
-def machine_text(machine: Any, recorded: Optional[dict[str, Any]] = None) -> str:
-    """The machine a JSON records, or what is known when it records none; ``recorded``: other recorded facts
-    about it (``{"torch_threads": 2}``), shown either way."""
-    facts = dict(machine) if isinstance(machine, dict) else {}
-    for key, value in (recorded or {}).items():
-        facts.setdefault(key, value)
-    words = [MACHINE_FIELDS.get(k, lambda v, k=k: f"{k} {v}")(v) for k, v in facts.items() if v is not None]
-    if isinstance(machine, dict):
-        return "; ".join(words)
-    if isinstance(machine, str):
-        words.insert(0, f"processor {machine}")
-        return f"only partly recorded in the JSON ({'; '.join(words)}); {DEV_MACHINE}"
-    known = f"; recorded: {', '.join(words)}" if words else ""
-    return f"not recorded in the JSON ({DEV_MACHINE}){known}"
-
-
-def machines_text(machines: dict[str, Any], recorded: Optional[dict[str, Any]] = None) -> str:
-    """The machine of several runs (label → machine), or each run's where they differ."""
-    if len({json.dumps(m, sort_keys=True) for m in machines.values()}) <= 1:
-        return machine_text(next(iter(machines.values()), None), recorded)
-    return "differs between runs: " + "; ".join(f"{label}: {machine_text(machine, recorded)}"
-                                                 for label, machine in sorted(machines.items()))
-
-
-def command_text(command: Optional[str], reconstructed: Optional[str] = None, note: str = "") -> str:
-    """The command as the JSON records it, or rebuilt from the arguments it records."""
-    if command:
-        return f"{code(command)} (recorded in the JSON)"
-    if reconstructed:
-        return (f"{code(reconstructed)} (rebuilt from the arguments the JSON records; it does not record the command "
-                f"line{note})")
-    return "not recorded in the JSON"
-
-
-def result_link(name: str) -> str:
-    """A link from ``docs/`` to ``benchmarks/results/<name>``."""
-    return f"[{code('benchmarks/results/' + name)}](../benchmarks/results/{name})"
-
-
-def provenance_lines(source: Source, machine: str, command: str) -> list[str]:
-    lines = [f"- **Machine:** {machine}", f"- **Command:** {command}", f"- **Data:** {result_link(source.name)}"]
-    if source.image:
-        lines.append(f"- **Plot:** {result_link(source.image)}")
-    return lines + [""]
-
-
-# ----------------------------------------------------------------------------------------------- sources
-@dataclass(frozen=True)
-class Source:
-    """One result file as a renderer sees it: ``name`` relative to ``benchmarks/results``, its parsed JSON, the
-    parsed companion files beside it (by file name) and the PNG of the same name, if any."""
-
-    name: str
-    data: Any
-    companions: dict[str, Any] = field(default_factory=dict)
-    image: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A known result file: its section title, renderer and the files beside it the renderer also reads."""
-
-    title: str
-    render: Callable[[Source], list[str]]
-    companions: tuple[str, ...] = ()
-
-
-# ----------------------------------------------------------------------------------------------- decode.py
-DECODERS = ("plain", "chain", "tree", "dynamic_tree", "auto")
-DECODE_MODES = ("greedy", "sampling", "greedy-compiled")
-
-
-def draft_label(row: dict) -> str:
-    """A decode row's draft in words: ``chain k = 3``, ``tree [3, 2, 1] (15 nodes)``, ``dynamic 16 nodes``."""
-    decoder = row["decoder"]
-    if decoder == "chain":
-        policy = "" if row["policy"] == "fixed" else f", {row['policy']}"
-        return f"chain k = {row['draft_tokens']}{policy}"
-    if decoder == "tree":
-        return f"tree {row['tree']} ({row['nodes']} nodes)"
-    if decoder == "dynamic_tree":
-        return f"dynamic tree, {row['nodes']} nodes, depth {row['draft_tokens']}"
-    if decoder == "auto":
-        return "`auto`"
-    return "plain"
-
-
-def mode_label(mode: str) -> str:
-    return {"sampling": "sampling T = 1", "greedy-compiled": "greedy, `compile=True`"}.get(mode, mode)
-
-
-def decode_groups(rows: list[dict]) -> list[tuple[str, int, list[dict]]]:
-    """Rows per (mode, batch size), modes in :data:`DECODE_MODES` order, then batch size."""
-    keys = sorted({(r["mode"], r["batch_size"]) for r in rows},
-                  key=lambda k: (DECODE_MODES.index(k[0]) if k[0] in DECODE_MODES else len(DECODE_MODES), k))
-    return [(mode, batch, [r for r in rows if (r["mode"], r["batch_size"]) == (mode, batch)]) for mode, batch in keys]
-
-
-def speedup_cell(row: dict) -> str:
-    text = times(row["speedup"])
-    if row["mode"] == "greedy-compiled" and row.get("speedup_over_eager_plain") is not None:
-        text += f" ({times(row['speedup_over_eager_plain'])} over eager plain)"
-    return text
-
-
-def decode_headline(rows: list[dict]) -> list[str]:
-    """Per mode and batch: plain tokens/s, the fastest speculative row, and ``auto``."""
-    out = []
-    for mode, batch, group in decode_groups(rows):
-        plain = next((r for r in group if r["decoder"] == "plain"), None)
-        drafted = [r for r in group if r["decoder"] != "plain"]
-        best = max(drafted, key=lambda r: r["speedup"], default=None)
-        auto = next((r for r in group if r["decoder"] == "auto"), None)
-        out.append([mode_label(mode), str(batch), num(plain and plain["tokens_per_s"], 1),
-                    "–" if best is None else draft_label(best), "–" if best is None else f"**{speedup_cell(best)}**",
-                    num(best and best["tau"]), "–" if auto is None else times(auto["speedup"]),
-                    num(auto and auto["tau"])])
-    return table(["mode", "batch", "plain tokens/s", "fastest speculative row", "its speedup", "its τ",
-                  "`auto` speedup", "`auto` τ"], out)
-
-
-def decode_best_per_decoder(rows: list[dict]) -> list[str]:
-    out = []
-    for mode, batch, group in decode_groups(rows):
-        for decoder in sorted({r["decoder"] for r in group}, key=lambda d: (DECODERS + (d,)).index(d)):
-            best = max((r for r in group if r["decoder"] == decoder), key=lambda r: r["speedup"])
-            out.append([mode_label(mode), str(batch), draft_label(best), num(best["tau"]),
-                        num(best["tokens_per_s"], 1), speedup_cell(best), num(best["lossless"])])
-    return table(["mode", "batch", "fastest of its decoder", "τ", "tokens/s", "speedup", "equals plain"], out)
-
-
-def decode_all_rows(rows: list[dict]) -> list[str]:
-    out = [[mode_label(r["mode"]), str(r["batch_size"]), draft_label(r), num(r["tau"]), num(r["tokens_per_s"], 1),
-            speedup_cell(r), per_depth(r["acceptance_per_depth"]), num(r["lossless"])]
-           for _, _, group in decode_groups(rows) for r in group]
-    return table(["mode", "batch", "draft", "τ", "tokens/s", "speedup", "acceptance per depth", "equals plain"], out)
-
-
-def decode_targets(targets: dict) -> list[str]:
-    """Each target at its worst (mode, batch size), then every group's ratio so a reader sees the spread."""
-    out = []
-    for name in sorted(targets):
-        t = targets[name]
-        verdict = "met" if t["met"] else "missed"
-        groups = "; ".join(f"{mode_label(r['mode'])} batch {r['batch_size']}: {num(r['ratio'])}"
-                           + (f" (vs {r['best_fixed']})" if "best_fixed" in r else "") for r in t.get("rows", []))
-        out.append([name, f"≥ {num(t['target'])}", num(t["measured"]), verdict, groups or "–"])
-    return table(["target", "threshold", "worst", "result", "per mode and batch"], out)
-
-
-def decode_auto_choices(rows: list[dict]) -> list[str]:
-    out = []
-    for mode, batch, group in decode_groups(rows):
-        for row in (r for r in group if r.get("auto_choices")):
-            counts = sorted(row["auto_choices"].items(), key=lambda kv: (-kv[1], kv[0]))
-            out.append([mode_label(mode), str(batch), ", ".join(f"{code(k)} {v}" for k, v in counts)])
-    return table(["mode", "batch", "steps per option"], out) if out else []
-
-
-def decode_step_costs(summary: dict) -> list[str]:
-    """Inside decoding at batch 1: a step's main forward, drafting and the rest, in plain steps."""
-    situ = summary.get("in_situ_costs_s") or {}
-    plain = (situ.get("plain") or {}).get("step_s")
-    if not plain:
-        return []
-    kinds = {"plain": "plain", "auto_plain_step": "a plain step of `auto`",
-             "speculative": f"chain k = {summary.get('depth')}"}
-    entries = [(kinds[k], situ[k]) for k in kinds if k in situ]
-    entries += [(code(name), cost) for name, cost in sorted((situ.get("trees") or {}).items())]
-    out = [[label, num(c["step_s"] / plain), num(c["forward_s"] / plain), num(c["draft_s"] / plain),
-            num(c["rest_s"] / plain)] for label, c in entries]
-    return table(["step (batch 1)", "whole step", "main forward", "drafting", "the rest"], out)
-
-
-def decode_verify_costs(summary: dict) -> list[str]:
-    """Isolated: a verify forward over N tokens per row, in plain steps, per batch size."""
-    costs = summary.get("tree_costs_s") or {}
-    sizes = sorted({int(n) for c in costs.values() for n in c["in_plain_steps"]["verify_tokens"]})
-    if not sizes:
-        return []
-    out = [[key.replace("batch_", ""), *(num(c["in_plain_steps"]["verify_tokens"].get(str(n))) for n in sizes)]
-           for key, c in sorted(costs.items(), key=lambda kv: int(kv[0].split("_")[-1]))]
-    return table(["batch", *(plural(n, "token") for n in sizes)], out)
-
-
-def decode_command(summary: dict) -> str:
-    arguments = {"ckpt": summary.get("checkpoint"), "threads": summary.get("threads"),
-                 "prompts": summary.get("prompts"), "max_new_tokens": summary.get("max_new_tokens"),
-                 "no_compile": summary.get("compile_seconds") is None}
-    return command_text(summary.get("command"), command_from("decode.py", arguments),
-                        note=", nor --repeats and --prompt-tokens")
-
-
-def render_decode(source: Source) -> list[str]:
-    rows, summary = source.data, source.companions.get("decode_summary.json", {})
-    lines = [
-        "Plain decoding against self-speculative decoding of the same checkpoint, on the same held-out prompts, "
-        "timed side by side in one run. **speedup** is tokens/s over plain decoding of the same mode and batch size "
-        "(above 1× is faster). **τ** is tokens emitted per main-model forward, the bonus token counted (plain: 1.00; "
-        "higher means more drafted tokens accepted per verify). **equals plain**: the greedy output is identical to "
-        "plain decoding token for token (sampling rows: –).", "",
-        f"- **Model:** {code(summary.get('checkpoint', '?'))}, D = {summary.get('depth')} "
-        f"{summary.get('architecture')} MTP depths; {summary.get('prompts')} prompts, "
-        f"{summary.get('max_new_tokens')} new tokens each",
-        *provenance_lines(source, machine_text(summary.get("machine"), {"torch_threads": summary.get("threads")}),
-                          decode_command(summary)),
-        "### Headline", "", *decode_headline(rows),
-    ]
-    if source.image:
-        lines += [f"![decode speedup and tau](../benchmarks/results/{source.image})", ""]
-    lines += ["### Fastest row per decoder", "", *decode_best_per_decoder(rows)]
-    if summary.get("targets"):
-        lines += ["### Targets", "", *decode_targets(summary["targets"])]
-    choices = decode_auto_choices(rows)
-    if choices:
-        lines += ["### What `auto` chose", "", "Decoding steps per option over the timed repeats.", "", *choices]
-    steps = decode_step_costs(summary)
-    if steps:
-        lines += ["### Where a step's time goes", "",
-                  "Measured inside decoding at batch 1, per step, in plain decoding steps (lower is cheaper; a "
-                  "speculative step pays off when τ exceeds its whole-step cost).", "", *steps]
-    verify = decode_verify_costs(summary)
-    if verify:
-        lines += ["A verify forward over N tokens per row, timed in isolation, in plain steps of the same batch:", "",
-                  *verify]
-    lines += ["### Every row", "", *decode_all_rows(rows)]
-    if summary.get("explanation"):
-        lines += ["<details><summary>The benchmark's own explanation of each figure "
-                  "(<code>decode_summary.json</code>)</summary>", "", "```text", *summary["explanation"], "```", "",
-                  "</details>", ""]
-    return lines
-
-
-# ----------------------------------------------------------------------------------------------- hf_compare.py
-HF_COMPARE_ARGS = ("trunk_seconds", "heads_seconds", "depth", "prompts", "prompt_tokens", "max_new_tokens",
-                   "prompt_lookup", "repeats", "max_bytes", "threads", "model_dir")
-
-
-def hf_decoder_label(name: str, setup: dict) -> str:
-    return {
-        "transformers_greedy": "`transformers` greedy `generate`",
-        "transformers_prompt_lookup": f"`transformers` prompt lookup "
-                                      f"(`prompt_lookup_num_tokens={setup.get('prompt_lookup')}`)",
-        "lightning_mtp_plain": "lightning-mtp plain, same HF cache",
-        "lightning_mtp_speculative": f"lightning-mtp chain of {setup.get('depth')} (`speculative=True`)",
-        "lightning_mtp_auto": 'lightning-mtp `speculative="auto"`',
-    }.get(name, code(name))
-
-
-def paired_cell(row: dict) -> str:
-    paired = row.get("paired_speedups_per_repeat")
-    if not paired:
-        return "–"
-    return f"{times(row['paired_speedup_vs_lightning_mtp_plain'])} ({num(min(paired))}-{num(max(paired))})"
-
-
-def render_hf_compare(source: Source) -> list[str]:
-    data = source.data
-    setup, model = data["setup"], data["setup"].get("model", {})
-    rows = [[hf_decoder_label(r["decoder"], setup), num(r["tokens_per_s"], 1),
-             times(r["speedup_vs_transformers_greedy"]), times(r.get("speedup_vs_lightning_mtp_plain")),
-             paired_cell(r), num(r.get("tau")), num(r["equals_transformers_greedy"])] for r in data["rows"]]
-    lines = [
-        "A tiny `transformers` Llama, trained on next-token loss, then retrofitted with MTP heads on its frozen trunk, "
-        "decoded greedily at batch 1 by `transformers`' own `generate` and by lightning-mtp over the same HF KV "
-        "cache. **vs HF greedy**: tokens/s over `transformers` greedy `generate`; **vs our plain**: over lightning-mtp "
-        "plain decoding on the same cache (above 1× is faster); **paired**: that ratio within each repeat, median "
-        "(range) over repeats, which cancels the machine's drift between repeats. τ counts the bonus token.", "",
-        f"- **Model:** Llama, hidden {model.get('hidden_size')}, {model.get('num_hidden_layers')} layers, vocabulary "
-        f"{model.get('vocab_size')} (bytes); trunk trained {data['trunk_training']['steps']} steps "
-        f"({num(data['trunk_training']['seconds'], 0)} s), {setup.get('depth')} heads "
-        f"{data['heads_training']['steps']} steps ({num(data['heads_training']['seconds'], 0)} s)",
-        f"- **Decoding:** {setup.get('prompts')} prompts of {setup.get('prompt_tokens')} tokens, "
-        f"{setup.get('max_new_tokens')} new tokens each, batch {setup.get('batch_size', 1)}, median of "
-        f"{setup.get('repeats')} interleaved repeats",
-        *provenance_lines(source, machine_text(data.get("machine"), {"torch_threads": setup.get("torch_threads")}),
-                          command_text(data.get("command"), command_from(
-                              "hf_compare.py", {k: setup.get(k) for k in HF_COMPARE_ARGS}))),
-        *table(["decoder", "tokens/s", "vs HF greedy", "vs our plain", "paired vs our plain", "τ",
-                "equals HF greedy"], rows),
-    ]
-    if data.get("targets"):
-        out = [[name, f"≥ {num(t['target'])}", times(t["measured"]), "met" if t["met"] else "missed"]
-               for name, t in sorted(data["targets"].items())]
-        lines += ["Targets:", "", *table(["target", "threshold", "measured", "result"], out)]
-    auto = next((r for r in data["rows"] if r.get("auto_choices")), None)
-    if auto:
-        counts = sorted(auto["auto_choices"].items(), key=lambda kv: (-kv[1], kv[0]))
-        lines += ["`auto` chose (steps per option; retired calls decode plainly): "
-                  + ", ".join(f"{code(k)} {v}" for k, v in counts) + ".", ""]
-    return lines
-
-
-# ----------------------------------------------------------------------------------------------- hf_mtp_compare.py
-def render_hf_mtp_compare(source: Source) -> list[str]:
-    data = source.data
-    setup = data["setup"]
-    training = setup.get("training") or {}
-    rows = [[r["system"], r["mode"], str(r["batch_size"]), num(r["tokens_per_s"], 1),
-             times(r["speedup_vs_transformers_plain"]), times(r.get("speedup_vs_own_plain")), num(r["tau"]),
-             per_depth(r.get("acceptance_per_depth")), num(r["equals_transformers_plain"])] for r in data["rows"]]
-    model = setup.get("model", {})
-    phases = {"joint_training": "trunk and MTP layers jointly", "heads_training": "MTP layers alone"}
-    trained = ", ".join(f"{phases.get(name, name)} {part['steps']} steps ({num(part['seconds'], 0)} s)"
-                        for name, part in training.items() if isinstance(part, dict) and "steps" in part)
-    lines = [
-        "A model with native MTP layers (DeepSeek-V3 / GLM-4.5 layout) decoded greedily by `transformers`' "
-        "`generate` (plain and `use_mtp=True`) and by lightning-mtp (plain, a chain of D drafts, `auto`) on the same "
-        "prompts. **vs `transformers` plain**: tokens/s over `transformers` plain greedy at batch 1 (at larger "
-        "batches a throughput ratio); **vs own plain**: over lightning-mtp plain decoding at the same batch size "
-        "(above 1× is faster). τ counts the bonus token; acceptance per depth is accepted / drafted at that depth.",
-        "",
-        f"- **Model:** {code(setup.get('model_type'))}, hidden {model.get('hidden_size')}, "
-        f"{model.get('num_hidden_layers')} layers, {setup.get('parameters'):,} parameters of which "
-        f"{setup.get('mtp_parameters'):,} in {setup.get('depth')} MTP layers; tokenizer: {setup.get('tokenizer')}"
-        + (f"; trained: {trained}" if trained else ""),
-        f"- **Decoding:** {len(setup.get('prompt_lengths', []))} prompts ({setup.get('prompts_from')}), "
-        f"{setup.get('max_new_tokens')} new tokens each; {setup.get('timing')}",
-        *provenance_lines(source, machine_text(data.get("machine"), {**setup.get("versions", {}),
-                                                                      "torch_threads": setup.get("torch_threads")}),
-                          command_text(data.get("command"), command_from("hf_mtp_compare.py",
-                                                                         setup.get("arguments", {})))),
-        *table(["system", "mode", "batch", "tokens/s", "vs `transformers` plain", "vs own plain", "τ",
-                "acceptance per depth", "equals `transformers` plain"], rows),
-    ]
-    if data.get("notes"):
-        lines += ["Notes recorded with the results:", "", *(f"- {note}" for note in data["notes"]), ""]
-    return lines
 
 
 # ----------------------------------------------------------------------------------------------- train_overhead.py
@@ -691,72 +274,6 @@ def render_finetune_acceptance(source: Source) -> list[str]:
         *provenance_lines(source, machine_text(data.get("machine")), command_text(data.get("command"))),
         *table(["model", "held-out main loss", "accept depth 1", "τ", "speedup", "equals plain", "steps"], rows),
     ]
-
-
-# ----------------------------------------------------------------------------------------------- decode_ablation.py
-def render_decode_ablation(source: Source) -> list[str]:
-    data = source.data
-    out = [
-        "`speculative=\"auto\"` with each of its mechanisms turned off in turn (`lightning_mtp.decoding.auto."
-        "SWITCHES`), against the whole policy, plain decoding and every fixed chain, greedy, on the same held-out "
-        "prompts; each row learns in its own memory during an untimed warm-up call, then is timed in interleaved "
-        "repeats (median). **vs auto**: tokens/s over the whole policy's (below 1×: the mechanism paid); a "
-        "mechanism stays only if turning it off costs at least 2% on some row.", "",
-    ]
-    for run in data.get("runs", []):
-        out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
-                   f"{command_text(run.get('command'))}")
-    out.append(f"- **Data:** {result_link(source.name)}")
-    out.append("")
-    verdicts = data.get("verdicts", {})
-    if verdicts:
-        out += table(["mechanism", "most its removal cost on a row", "verdict"],
-                     [[m, f"{100 * v:.1f}%", "kept" if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
-    for label in dict.fromkeys(r["model"] for r in data["rows"]):
-        for batch in sorted({r["batch_size"] for r in data["rows"] if r["model"] == label}):
-            rows = [r for r in data["rows"] if r["model"] == label and r["batch_size"] == batch]
-            out.append(f"**{label}, batch {batch}**")
-            out.append("")
-            out += table(["row", "tokens/s", "τ", "vs plain", "vs auto"],
-                         [[r["row"], num(r["tokens_per_s"], 1), num(r["tau"]), f"{num(r['vs_plain'])}×",
-                           f"{num(r['vs_auto'])}×"] for r in rows])
-    return out
-
-
-# ----------------------------------------------------------------------------------------------- decode_roofline.py
-def render_decode_roofline(source: Source) -> list[str]:
-    data = source.data
-    assumed = data["assumptions"]
-    out = [
-        "Predicted, not measured: step times of plain and speculative decoding on GPUs from an analytic model of "
-        "FLOPs and bytes (the larger of bytes over bandwidth and FLOPs over throughput, plus kernel launches), "
-        "expected tokens per step from per-depth acceptance, and what `auto`'s step-cost model and policy would "
-        "choose given those step times (`benchmarks/decode_roofline.py` states every assumption). "
-        "`scripts/gpu_check.sh` measures the same rows where a GPU is lent.", "",
-        f"- **Assumptions:** bf16 weights and cache; {num(100 * assumed['mbu'], 0)}% of peak bandwidth, "
-        f"{num(100 * assumed['mfu'], 0)}% of peak FLOPs; {num(assumed['launch_us'], 1)} µs per kernel launch, "
-        f"{assumed['launches_per_block']} per block; {assumed['context']} tokens of context per row; a second "
-        f"candidate accepted in {num(100 * data['second_candidate'], 0)}% of the remaining cases",
-        *(f"- **Acceptance, {name}:** {' / '.join(num(a, 2) for a in acc['per_depth'])} ({acc['source']})"
-          for name, acc in data["acceptance"].items()),
-        f"- **Command:** {command_text(data.get('command'))}",
-        f"- **Data:** {result_link(source.name)}", "",
-    ]
-    groups: dict[tuple, list[dict]] = {}
-    for row in data["rows"]:
-        groups.setdefault((row["model"], row["hardware"], row["batch_size"]), []).append(row)
-    rows = []
-    for (model, hardware, batch), group in groups.items():
-        plain = next(r for r in group if r["option"] == "plain")
-        best = max(group, key=lambda r: r["speedup"])
-        chosen = next((r for r in group if r.get("auto_would_choose")), plain)
-        depth = max(int(r["option"][5:]) for r in group if r["option"].startswith("chain")) - 1
-        chain = next(r for r in group if r["option"] == f"chain{depth}")
-        rows.append([model, hardware, str(batch), num(plain["step_ms"], 3), f"{num(chain['speedup'])}×",
-                     f"{best['option']} {num(best['speedup'])}×", f"{chosen['option']} {num(chosen['speedup'])}×"])
-    out += table(["model", "GPU", "batch", "plain step (ms)", "chain of D", "best option", "auto would choose"],
-                 rows)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- thin_linear.py
