@@ -1,13 +1,15 @@
 """Which of ``speculative="auto"``'s mechanisms pay: each turned off in turn, timed against the whole policy.
 
-The policy (:mod:`lightning_mtp.decoding.auto`) has four mechanisms, each a field of
+The policy (:mod:`lightning_mtp.decoding.auto`) has five mechanisms, each a field of
 :data:`lightning_mtp.decoding.auto.SWITCHES`:
 
 - ``fit``: the step-cost model fitted online to timed steps (off: the prior from the weights' bytes alone);
 - ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower;
 - ``memory``: costs and acceptance kept across calls (off: every call starts from the prior);
 - ``explore``: while stepping plainly, each chain measured in turn, and the deepest chain's two steps whenever
-  drafting resumes (off: the measurements draft the best-rated chain, so deeper depths are seen only when chosen).
+  drafting resumes (off: the measurements draft the best-rated chain, so deeper depths are seen only when chosen);
+- ``rows``: a batch rated by each row's own acceptance and by the row with the most steps left (off: by the
+  acceptance pooled over its rows, as tokens per second).
 
 On one checkpoint and the same held-out prompts, greedy at batch 1 and 8: plain decoding, every fixed chain of
 1..D drafts, the whole policy and the policy without each mechanism, each row run once untimed (its warm-up call),
@@ -41,7 +43,7 @@ from report import provenance  # noqa: E402
 
 from lightning_mtp.decoding.auto import SWITCHES  # noqa: E402
 
-MECHANISMS = ("fit", "guard", "memory", "explore")
+MECHANISMS = ("fit", "guard", "memory", "explore", "rows")
 
 
 def variants(depth: int) -> list[tuple[str, dict, dict]]:

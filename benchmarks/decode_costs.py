@@ -291,21 +291,19 @@ class AutoChoices:
             counts["plain" if option is None else option.describe()] += 1
             return option
 
-        def retired(steps):  # a call that retires drafting runs plain steps the policy is no longer asked about
-            value = original_retired.fget(steps)
-            if value and not getattr(steps, "_retirement_counted", False):
-                steps._retirement_counted = True
+        def init(steps, *args, **kwargs):  # a retired call runs plain steps the policy is never asked about
+            original_init(steps, *args, **kwargs)
+            if steps.retired:
                 counts["calls retired to plain"] += 1
-            return value
 
-        original_retired = AutoSteps.retired
+        original_init = AutoSteps.__init__
         AutoPolicy.next = counted
-        AutoSteps.retired = property(retired)
+        AutoSteps.__init__ = init
         try:
             yield counts
         finally:
             AutoPolicy.next = original
-            AutoSteps.retired = original_retired
+            AutoSteps.__init__ = original_init
 
     def histogram(self, key: str) -> dict[str, int]:
         """Steps per option, most chosen first."""

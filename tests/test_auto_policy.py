@@ -12,7 +12,6 @@ from typing import Optional
 import pytest
 import torch
 from test_decoding import alone, draftable_model, ragged_prompts, rows_of
-from test_tree_decoding import MixedSteps
 
 from lightning_mtp.decoding import GenerationConfig
 from lightning_mtp.decoding.auto import (
@@ -181,6 +180,68 @@ def test_a_named_tree_is_drafted_only_where_its_verify_cost_pays():
     assert dear.most_common(1)[0][0] == "plain", dear
 
 
+# ----------------------------------------------------------------------------------------------- a batch's rows
+class FixedChain:
+    def __init__(self, depth: int) -> None:
+        self.chain = TreeShape.chain(depth)
+
+    def next(self) -> TreeShape:
+        return self.chain
+
+    def observe(self, *args, **kwargs) -> None:
+        """Nothing to learn."""
+
+
+def decode_batch(policy: Optional[AutoPolicy], machine: Machine, accept: list[float], budget: int) -> float:
+    """Seconds until every row of a simulated batch has emitted ``budget`` tokens, row ``r`` accepting each depth with
+    probability ``accept[r]``; ``policy=None``: plain steps."""
+    remaining, total = {r: budget - 1 for r in range(len(accept))}, 0.0  # the prefill emitted one token per row
+    while remaining:
+        option = None if policy is None else policy.next()
+        machine.rows = len(remaining)
+        total += machine.seconds(option)
+        accepted, reached = [-1] * len(accept), [0] * (0 if option is None else option.depth)
+        for row in list(remaining):
+            count = 0
+            while option is not None and count < option.depth and machine.rng.random() < accept[row]:
+                count += 1
+            for depth in range(count):
+                reached[depth] += 1
+            remaining[row] -= count + 1
+            if remaining[row] <= 0:
+                del remaining[row]
+            else:
+                accepted[row] = count
+        if policy is not None:
+            left = [remaining.get(r, 0) for r in range(len(accept))]
+            policy.observe(option, machine.rows, reached, machine.seconds(option), rows=accepted, remaining=left)
+    return total
+
+
+def test_a_batch_is_rated_by_the_row_that_ends_last(switches):
+    """Seven rows whose drafts are accepted and one whose drafts never are: the call ends when that row has emitted
+    its budget one token per step, whatever the others do, so drafting only makes its steps dearer. Rated by each
+    row's own acceptance and the row with the most steps left, ``auto`` steps plainly; rated by the pooled acceptance
+    (87%: 7 of 8 rows) it kept drafting."""
+    accept, budget = [0.95] * 7 + [0.0], 96
+    machine = Machine(per_draft=0.3, seed=1)
+    plain = decode_batch(None, machine, accept, budget)
+    chain = decode_batch(FixedChain(3), machine, accept, budget)
+    rated_by_rows = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
+    switches.rows = False  # rated by the acceptance pooled over the rows
+    pooled = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
+    assert chain > 1.5 * plain  # a fixed chain of 3: 95 steps of 1.9 seconds against 95 of 1 (and a token-row each)
+    assert rated_by_rows < 1.15 * plain < pooled, (rated_by_rows, plain, pooled)
+
+
+def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():
+    accept, budget = [0.95] * 8, 96
+    machine = Machine(per_draft=0.3, seed=2)
+    plain = decode_batch(None, machine, accept, budget)
+    auto = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
+    assert auto < plain / 1.5, (auto, plain)  # a chain of 3 emits ~3.8 tokens per 1.9-second step
+
+
 # ----------------------------------------------------------------------------------------------- the guard
 def test_the_guard_holds_plain_when_drafting_measures_slower(switches):
     """Without the fit (the prior alone says drafting pays), the measured rates decide: drafting is three plain steps
@@ -236,38 +297,6 @@ def test_a_call_starting_plainly_never_touches_the_drafter(models, monkeypatch):
     out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
     assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24
     model.__dict__.pop("_mtp_auto_memory", None)
-
-
-class RetiringSteps(MixedSteps):
-    """Mixed steps, then retired (the decoding loop must finish plainly on the same caches)."""
-
-    def __init__(self, retire_after: int) -> None:
-        super().__init__()
-        self.retire_after = retire_after
-
-    @property
-    def retired(self) -> bool:
-        return self.steps >= self.retire_after
-
-
-def test_a_retired_policy_finishes_with_plain_steps(models):
-    from lightning_mtp.decoding.host import decoding_host
-    from lightning_mtp.decoding.speculative import decode, prepare_prompts
-    from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
-
-    model = models["cascaded"]
-    input_ids, mask, prompts = ragged_prompts(seed=8)
-    expected = [alone(model, p, 40) for p in prompts]
-    host = decoding_host(model)
-    drafter = MTPTreeDrafter(model, 5)
-    prompts_, lengths = prepare_prompts(input_ids, mask, host.vocab_size, torch.device("cpu"))
-    calls = []
-    draft = drafter.draft
-    drafter.draft = lambda *args, **kwargs: calls.append(1) or draft(*args, **kwargs)
-    out = decode(host, drafter, prompts_, lengths, GenerationConfig(max_new_tokens=40, speculative=True),
-                 policy=RetiringSteps(retire_after=6))
-    assert rows_of(out) == expected
-    assert len(calls) <= 6 and out.stats.main_forwards > 10  # drafting stopped; plain steps finished the call
 
 
 def test_a_seed_reproduces_sampled_output_and_seeded_calls_use_no_timings(models):

@@ -1,23 +1,22 @@
 """``speculative="auto"``: each step takes the draft with the most expected tokens per second, or none.
 
 Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D drafts; or, when the call
-names a tree or a chain longer than D, a plain step and that draft) as
+names a tree or a chain longer than D, a plain step and that draft) by its expected tokens over its predicted seconds
+and takes the best (design and measurements: docs/decoding.md). Seconds come from
+:class:`~lightning_mtp.decoding.step_cost.StepCost` (medians of the timed steps; a prior from the weights' bytes).
+Tokens come from each row's acceptance: its own counts in the call over a shared running estimate of P(depth d is
+accepted | depth d-1 was) (prior :data:`PRIOR_ACCEPTANCE`, each deeper depth starting from the one above). A call ends
+when its last row does, so a batch is rated by the row with the most steps left: drafting for rows that finish early
+while a row whose drafts are rejected decides the call's length only makes its steps dearer.
 
-    rate = active rows · expected tokens per row / predicted step seconds
-
-and takes the best (the design and its measurements: docs/decoding.md). Step seconds come from
-:class:`~lightning_mtp.decoding.step_cost.StepCost` (medians of the steps the decode times, a prior from the weights'
-bytes); expected tokens from running estimates of P(depth d is accepted | depth d-1 was), with the prior
-:data:`PRIOR_ACCEPTANCE` at depth 1 and each deeper depth starting from the one above.
-
-What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (a
-plain step; or, while plain, two steps of each chain in turn, the first catching the MTP modules up, untimed), and
-drafting resumes with two steps of the deepest draft, which see the acceptance of every depth. **The guard** steps
-plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of the last :data:`GUARD_WINDOW` drafting steps is
-below that of as many plain steps. **Memory**: costs, acceptance (scaled to :data:`CALL_START_TRIES` tries at a
-call's start) and the plain rate are kept per module, host, batch size, device and mode; a call that starts where
-the last ended on a hold, with drafting still rated below plain, decodes plainly without setting up the drafter
-(:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides afresh).
+What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (while
+plain: two steps of each chain in turn, the first catching the MTP modules up, untimed), and drafting resumes with two
+steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of
+the last :data:`GUARD_WINDOW` drafting steps is below that of as many plain steps. **Memory**: costs, acceptance
+(scaled to :data:`CALL_START_TRIES` tries at a call's start) and the plain rate are kept per module, host, batch
+size, device and mode; a call that starts where the last ended on a hold, with drafting still rated below plain,
+decodes plainly without setting up the drafter (:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides
+afresh).
 
 Every option is lossless. With sampling, which draft a step makes decides which random numbers it consumes: a call
 with a seed (or a generator) decides from the prior cost model and its own acceptance only, never from timings, so a
@@ -49,8 +48,7 @@ FORGET = 0.98
 CALL_START_TRIES = 8.0
 """At a call's start each acceptance count of earlier calls is scaled down to at most this many tries."""
 MEASURE_EVERY = 32
-"""After this many steps of one kind (plain or drafting) in a row, one step of the other kind is taken, so both are
-measured: the guard's plain rate, and the step costs of drafting when the model came to believe it does not pay."""
+"""After this many steps of one kind (plain or drafting) in a row one of the other is taken: both stay measured."""
 GUARD_WINDOW = 16
 """Drafting steps whose measured tokens per second the guard compares with that of as many plain steps."""
 HOLD_STEPS = 32
@@ -72,18 +70,12 @@ class AutoMemory:
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     """(depth, the draft's kind) -> [accepted, tried], forgotten by :data:`FORGET` at each try. Chains share one
     kind; a named tree has its own (its depths accept more often than a chain's)."""
-    ended_on_hold: bool = False
-    """The last call ended while the guard held it plain (set by :meth:`AutoPolicy.end_call`)."""
-    plain_calls: int = 0
-    """Calls in a row that started plainly (:attr:`AutoPolicy.retired`)."""
-    plain_steps: list[tuple[float, float]] = field(default_factory=list)
-    """(tokens, seconds) of the last :data:`GUARD_WINDOW` plain steps: the plain rate the guard compares with."""
-    streak: int = 0
-    """Steps of the same kind (plain or drafting) in a row, across calls (see :data:`MEASURE_EVERY`)."""
-    last_plain: bool = False
-    """Whether the last step was plain."""
-    measured: int = 0
-    """Drafting measurements taken while plain steps were chosen (they go through the drafts in turn)."""
+    ended_on_hold: bool = False  # the last call ended while the guard held it plain (AutoPolicy.end_call)
+    plain_calls: int = 0  # calls in a row that started plainly (AutoPolicy.retired)
+    plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
+    streak: int = 0  # steps of the same kind (plain or drafting) in a row, across calls (MEASURE_EVERY)
+    last_plain: bool = False  # whether the last step was plain
+    measured: int = 0  # drafting measurements taken while plain steps were chosen (the drafts in turn)
 
     @property
     def plain_rate(self) -> Optional[float]:
@@ -104,10 +96,11 @@ class Switches:
     memory: bool = True
     explore: bool = True
     """Measure each chain in turn, and the deepest whenever drafting resumes (off: measure the best-rated draft)."""
+    rows: bool = True
+    """Rate a batch by its rows' own acceptance and its last row to finish (off: the rows' pooled acceptance)."""
 
 
-SWITCHES = Switches()
-"""The mechanisms every new policy uses (the ablation benchmark changes these fields)."""
+SWITCHES = Switches()  # the mechanisms every new policy uses (the ablation benchmark changes these fields)
 
 
 def _kind(option: TreeShape) -> str:
@@ -129,17 +122,17 @@ class AutoPolicy:
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
         self.probe = 0  # drafting steps still to take to measure drafting (the first one only catches up)
         self.probing: Optional[TreeShape] = None  # the draft they take
-        self.active_rows = batch_size
+        self.rows: dict[int, dict[int, list[float]]] = {r: {} for r in range(batch_size)}  # row -> depth -> counts
+        self.remaining: dict[int, int] = {}  # row -> tokens it may still emit (once the decoding loop reports them)
         self._begin_call()
 
     def _begin_call(self) -> None:
         memory = self.memory
         if not self.switches.memory:
             memory.acceptance.clear()
-        for counts in memory.acceptance.values():
-            if counts[1] > CALL_START_TRIES:
-                scale = CALL_START_TRIES / counts[1]
-                counts[0], counts[1] = counts[0] * scale, counts[1] * scale
+        for counts in memory.acceptance.values():  # earlier calls' prompts differ: their counts weigh less
+            scale = min(1.0, CALL_START_TRIES / max(counts[1], 1e-12))
+            counts[0], counts[1] = counts[0] * scale, counts[1] * scale
         self.retired = False
         ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
         if ended_plain and self._rate(self._best()) <= self._rate(None):
@@ -160,28 +153,35 @@ class AutoPolicy:
             value = self._estimates[key] = (hits + PRIOR_TRIES * prior) / (tried + PRIOR_TRIES)
         return value
 
-    def expected_tokens(self, option: Optional[TreeShape]) -> float:
-        """Expected tokens a step emits per row (the bonus token counted)."""
+    def expected_tokens(self, option: Optional[TreeShape], row: Optional[int] = None) -> float:
+        """Expected tokens a step emits for ``row`` (bonus token counted): the row's counts in this call over the
+        shared estimate (:meth:`acceptance`) as a prior worth :data:`PRIOR_TRIES` tries (``None``: the shared one)."""
         tokens, reach = 1.0, 1.0
+        counts = self.rows.get(row, {})
         for depth in range(1, 0 if option is None else option.depth + 1):
-            reach *= self.acceptance(depth, _kind(option))
+            hits, tried = counts.get(depth, (0.0, 0.0))
+            reach *= (hits + PRIOR_TRIES * self.acceptance(depth, _kind(option))) / (tried + PRIOR_TRIES)
             tokens += reach
         return tokens
 
     def _rate(self, option: Optional[TreeShape]) -> float:
-        rows = max(self.active_rows, 1)
+        """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
+        the time until its last row ends: the row with the most steps left, remaining / expected tokens, decides."""
         tokens, drafts = (1, 0) if option is None else (option.num_nodes + 1, option.depth)
-        return rows * self.expected_tokens(option) / self.memory.cost.seconds(rows, tokens, drafts)
+        seconds = self.memory.cost.seconds(max(len(self.rows), 1), tokens, drafts)
+        expected = {row: self.expected_tokens(option, row) for row in self.rows}
+        if not self.remaining:
+            return (sum(expected.values()) if expected else 1.0) / seconds
+        steps_left = max(self.remaining[row] / expected[row] for row in self.remaining)
+        return sum(self.remaining.values()) / (steps_left * seconds)
 
     def _best(self) -> TreeShape:
         """The drafting option of the highest rate."""
         return max((o for o in self.options if o is not None), key=self._rate)
 
     # ----------------------------------------------------------------- choosing
-    def next(self, active_rows: Optional[int] = None) -> Optional[TreeShape]:
+    def next(self) -> Optional[TreeShape]:
         """The next step's draft (``None``: a plain step)."""
-        if active_rows is not None:
-            self.active_rows = active_rows
         self.steps += 1
         if self.hold > 0:
             self.hold -= 1
@@ -214,18 +214,26 @@ class AutoPolicy:
         return choice
 
     # ----------------------------------------------------------------- learning
-    def observe(self, option: Optional[TreeShape], active_rows: int, reached: list[float], seconds: float) -> None:
+    def observe(self, option: Optional[TreeShape], active_rows: int, reached: list[float], seconds: float,
+                rows: Optional[list[int]] = None, remaining: Optional[list[int]] = None) -> None:
         """The step that ran: its draft, the rows that took part, the rows whose accepted path reached each depth of
-        the draft (``reached[d-1]``), and how long it took."""
+        the draft (``reached[d-1]``), how long it took; each row's accepted drafts (-1: the row has finished;
+        ``None``: every row took part and none has finished) and the tokens each may still emit."""
         if active_rows <= 0:
             return
-        self.active_rows = active_rows  # the next step's rows, near enough (rows only finish)
         self._estimates.clear()
         tried = active_rows
         for depth, hits in enumerate(reached, start=1):  # only what is tried is forgotten: an option left alone
-            counts = self.memory.acceptance.setdefault((depth, _kind(option)), [0.0, 0.0])  # keeps its evidence
-            counts[0], counts[1] = FORGET * counts[0] + hits, FORGET * counts[1] + tried
-            tried = hits
+            _count(self.memory.acceptance.setdefault((depth, _kind(option)), [0.0, 0.0]), hits, tried)  # keeps its
+            tried = hits  # evidence
+        for row, accepted in enumerate(rows or []):
+            if accepted < 0:
+                self.rows.pop(row, None)
+                self.remaining.pop(row, None)
+            elif self.switches.rows:
+                self.remaining[row] = remaining[row]  # >= 1: the row has not finished
+                for depth in range(1, min(accepted + 1, len(reached)) + 1):  # the depths the row tried
+                    _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(accepted >= depth), 1.0)
         if not self.timings:
             return
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
@@ -249,6 +257,11 @@ class AutoPolicy:
     def end_call(self) -> None:
         """The call is over: the next one starts plainly when this one ended on the guard's hold."""
         self.memory.ended_on_hold = self.hold > 0
+
+
+def _count(counts: list[float], hits: float, tried: float) -> None:
+    """Forget a little of ``counts`` ([accepted, tried]) and add a try."""
+    counts[0], counts[1] = FORGET * counts[0] + hits, FORGET * counts[1] + tried
 
 
 def measured_rate(steps: list[tuple[float, float]]) -> float:

@@ -235,9 +235,6 @@ class DraftLength:
 
     def observe_step(self, option: int, accepted: list[int], active_rows: int, seconds: float) -> None:
         """The decoding loop's report of a step (drafts ``option``; accepted drafts per depth)."""
-        self.update(accepted, active_rows)
-
-    def update(self, accepted: list[int], active_rows: int) -> None:
         if not self.adaptive or active_rows == 0:
             return
         for j, count in enumerate(accepted):

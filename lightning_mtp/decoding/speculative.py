@@ -1,6 +1,5 @@
-"""Self-speculative decoding with the MTP heads, and plain autoregressive decoding with the same KV cache.
-
-gpt-fast style: small functions over tensors, wired together by :func:`decode`.
+"""Self-speculative decoding with the MTP heads, and plain autoregressive decoding with the same KV cache: small
+functions over tensors (gpt-fast style), wired together by :func:`decode`.
 
 1. :func:`prefill` runs the prompts through the trunk and picks each row's first token.
 Then every step (:func:`~lightning_mtp.decoding.step.speculative_step`):
@@ -196,25 +195,26 @@ def decode(
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
             continue
-        if getattr(policy, "retired", False):  # `auto` found that drafting does not pay: plain steps from here on
-            drafter = None
-            continue
         # the first step's windows cover the whole prompt; later steps have one shape (MTPDrafter.fixed_window)
         step = fused_step if fused_step is not None and state.main_forwards > 1 else speculative_step
-        if tree_mode:
-            step = tree_step
+        step = tree_step if tree_mode else step
         option = policy.next()
         shapes_measured = small_matmul.decisions()
         step_start = time.perf_counter()
         summary = step(host, drafter, draft_state, cache, state, option, draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
+        per_row = getattr(policy, "per_row", False)  # `auto`: each row's accepted drafts (-1: finished) and budget
+        if per_row:
+            summary = torch.cat([summary.long(), state.last_accepted.masked_fill(state.done, -1),
+                                 config.max_new_tokens - state.emitted])
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
         seconds = time.perf_counter() - step_start
         if small_matmul.decisions() != shapes_measured:
             seconds = math.nan  # the step timed new matrix-product shapes (once per process): not its own cost
-        policy.observe_step(option, reached, int(active_rows), seconds)
+        rows = {"rows": reached[-2 * batch : -batch], "remaining": reached[-batch:]} if per_row else {}
+        policy.observe_step(option, reached[: -2 * batch] if per_row else reached, int(active_rows), seconds, **rows)
     if hasattr(policy, "end_call"):
         policy.end_call()
 

@@ -34,6 +34,8 @@ class DecodeState:
     drafted: Tensor
     accepted: Tensor
     histogram: Tensor
+    last_accepted: Tensor
+    """(B,) drafts each row accepted in its last drafting step (``auto`` rates the rows that remain)."""
     main_forwards: int = 0
     cache_len: int = 0
     """Slots of the decoding caches (the tree attention masks span them)."""
@@ -56,6 +58,7 @@ def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts:
         drafted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
         accepted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
         histogram=torch.zeros(max_drafts + 1, dtype=torch.long, device=device),
+        last_accepted=zeros.clone(),
     )
 
 
@@ -95,4 +98,5 @@ def record_acceptance(state: DecodeState, drafts: Tensor, num_accepted: Tensor, 
     state.accepted[:k] += accepted
     state.drafted[:k] += ((drafts >= 0) & active.unsqueeze(1)).sum(dim=0)
     state.histogram.index_add_(0, num_accepted, active.long())
+    state.last_accepted.copy_(num_accepted)
     return accepted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 
 from torch import Tensor
 
@@ -63,34 +64,21 @@ class DecodeStats:
         """Totals over several calls (e.g. the batches of ``predict``) as a plain dict."""
         if not stats:
             return {}
-        width = max(len(s.drafted_per_depth) for s in stats)
-        hist_width = max(len(s.accepted_length_histogram) for s in stats)
 
-        def total(name: str, size: int) -> list[int]:
-            sums = [0] * size
-            for s in stats:
-                for i, v in enumerate(getattr(s, name)):
-                    sums[i] += v
-            return sums
+        def total(name: str) -> list[int]:  # per-call lists summed element by element (the longest's length)
+            return [sum(values) for values in zip_longest(*(getattr(s, name) for s in stats), fillvalue=0)]
 
-        new_tokens = sum(s.total_new_tokens for s in stats)
-        row_forwards = sum(sum(s.row_forwards) for s in stats)
-        elapsed = sum(s.elapsed_s for s in stats)
-        drafted, accepted = total("drafted_per_depth", width), total("accepted_per_depth", width)
-        return {
-            "calls": len(stats),
-            "rows": sum(s.batch_size for s in stats),
-            "main_forwards": sum(s.main_forwards for s in stats),
-            "row_forwards": row_forwards,
-            "total_new_tokens": new_tokens,
-            "tau": new_tokens / max(1, row_forwards),
-            "drafted_per_depth": drafted,
-            "accepted_per_depth": accepted,
-            "acceptance_per_depth": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
-            "accepted_length_histogram": total("accepted_length_histogram", hist_width),
-            "elapsed_s": elapsed,
-            "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
-        }
+        merged = DecodeStats(
+            batch_size=sum(s.batch_size for s in stats), max_drafts=max(s.max_drafts for s in stats),
+            main_forwards=sum(s.main_forwards for s in stats), row_forwards=[sum(sum(s.row_forwards) for s in stats)],
+            new_tokens=[sum(s.total_new_tokens for s in stats)], drafted_per_depth=total("drafted_per_depth"),
+            accepted_per_depth=total("accepted_per_depth"), elapsed_s=sum(s.elapsed_s for s in stats),
+            accepted_length_histogram=total("accepted_length_histogram"),
+        )
+        out = merged.to_dict()
+        for name in ("batch_size", "max_drafts", "new_tokens"):
+            del out[name]
+        return {"calls": len(stats), "rows": merged.batch_size, **out, "row_forwards": merged.row_forwards[0]}
 
 
 @dataclass

@@ -300,15 +300,11 @@ class MTPTreeDrafter:
 
     def _draft_chain(self, state: TreeDraftState, tokens: Tensor, newest: Tensor, depth: int,
                      params: SamplingParams, generator: Optional[torch.Generator] = None) -> DraftTree:
-        """:meth:`draft` of ``TreeShape.chain(depth)``, computed as the chain drafter does
-        (:class:`~lightning_mtp.decoding.drafting.MTPDrafter`): the same drafts, without a tree's bookkeeping
-        (``auto`` takes chains more often than trees).
-
-        Depth k's call covers its linear window and the chain's k-1 nodes, which for a chain are the consecutive
-        positions ``n - k + 1 .. n - 1``: one causal window ending at ``n - 1``. Its inputs are read where the chain
-        drafter reads them: h_(k-1) from ``hidden[k-1]`` (depth k-1 wrote its whole window there, drafts included)
-        and the tokens from ``tokens``, into which each draft is written at ``n + k``. Entries past a depth's
-        linear end are draft-dependent: no linear part reads them before a later step recomputes them (commit)."""
+        """:meth:`draft` of ``TreeShape.chain(depth)`` (chains longer than D) as the chain drafter computes chains,
+        without a tree's bookkeeping. Depth k's call covers its linear window and the chain's k-1 nodes, the
+        consecutive positions ``n - k + 1 .. n - 1``: one causal window ending at ``n - 1``, reading h_(k-1) from
+        ``hidden[k-1]`` (depth k-1 wrote its whole window there, drafts included) and each draft from ``tokens`` at
+        ``n + k``. Entries past a depth's linear end are draft-dependent; a later step recomputes them (commit)."""
         device, rows = tokens.device, state.rows
         chain = [tokens.gather(1, newest.view(-1, 1))]  # (B, 1) each: the root, then one draft per depth
         probs: Optional[list[Tensor]] = None if params.greedy else []

@@ -47,11 +47,7 @@ class AutoSteps:
     def __init__(self, policy: AutoPolicy, tree_mode: bool) -> None:
         self.policy, self.tree_mode = policy, tree_mode
         self.max_nodes = max(o.num_nodes for o in policy.options if o is not None) + 1 if tree_mode else 0
-
-    @property
-    def retired(self) -> bool:
-        """The call decodes plainly from its first step (the drafter is not even set up)."""
-        return self.policy.retired
+        self.retired = policy.retired  # the call decodes plainly from its first step (no drafter is set up)
 
     def next(self) -> Any:
         option = self.policy.next()
@@ -59,10 +55,14 @@ class AutoSteps:
             return option
         return 0 if option is None else option.depth  # the chain drafter takes a draft count
 
-    def observe_step(self, option: Any, reached: list, active_rows: int, seconds: float) -> None:
-        """``reached``: per depth, the rows whose accepted path reached it (zeros beyond the step's draft)."""
+    per_row = True
+    """The decoding loop reports each row's accepted drafts and remaining budget."""
+
+    def observe_step(self, option: Any, reached: list, active_rows: int, seconds: float, **rows: list) -> None:
+        """``reached``: per depth, the rows whose accepted path reached it (zeros beyond the step's draft); ``rows``:
+        each row's accepted drafts (``rows``, -1: finished) and the tokens it may still emit (``remaining``)."""
         shape = option if self.tree_mode else (None if option == 0 else TreeShape.chain(option))
-        self.policy.observe(shape, active_rows, reached[: 0 if shape is None else shape.depth], seconds)
+        self.policy.observe(shape, active_rows, reached[: 0 if shape is None else shape.depth], seconds, **rows)
 
     def end_call(self) -> None:
         self.policy.end_call()
