@@ -271,10 +271,32 @@ def test_a_call_ending_on_a_hold_starts_the_next_plainly_and_one_in_eight_rechec
 
 def test_later_calls_start_from_what_earlier_ones_learned():
     memory = AutoMemory.fresh(0.05)
-    run(policy_for(memory=memory), Machine(per_draft=1.5, accept=0.8), 200)
-    later = policy_for(memory=memory)
-    assert later.next() is None  # no exploration left: the costs are known
+    machine = Machine(per_draft=1.5, accept=0.8)
+    run(policy_for(memory=memory), machine, 200)
+    later, chosen = policy_for(memory=memory), []
     assert max(counts[1] for counts in memory.acceptance.values()) <= 8.0  # prompts differ: counts scaled down
+    for _ in range(6):
+        chosen.append(later.next())
+        machine.step(later, chosen[-1])
+    assert chosen[:2] == [TreeShape.chain(3)] * 2  # a call's prompts are new: two steps of the deepest chain see them
+    assert chosen[2:] == [None] * 4  # then plain steps: the costs are known
+
+
+def test_a_call_after_a_prompt_whose_drafts_were_rejected_measures_its_own(switches):
+    """Calls start from the acceptance earlier calls measured; a prompt whose drafts were all rejected leaves it low.
+    The next call's first two steps draft the deepest chain on its own prompt, which accepts: it drafts from then on.
+    Measuring only after MEASURE_EVERY plain steps, it takes 24% longer."""
+    def easy_call_after_a_hard_one() -> float:
+        memory, machine = AutoMemory.fresh(0.3), Machine(per_draft=0.3, seed=3)
+        decode_batch(policy_for(share=0.3, memory=memory), machine, [0.0], 96)
+        memory.streak = 0  # the hard call's last step measured drafting (it does so every MEASURE_EVERY steps)
+        return decode_batch(policy_for(share=0.3, memory=memory), machine, [0.95], 96)
+
+    plain = decode_batch(None, Machine(), [0.95], 96)
+    measured_at_the_start = easy_call_after_a_hard_one()
+    switches.explore = False
+    assert measured_at_the_start < 0.6 * plain  # chains of 3 emitting ~3.8 tokens per 1.9-second step
+    assert easy_call_after_a_hard_one() > 1.15 * measured_at_the_start
 
 
 # ----------------------------------------------------------------------------------------------- a real model

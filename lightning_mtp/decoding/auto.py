@@ -10,8 +10,8 @@ when its last row does, so a batch is rated by the row with the most steps left:
 while a row whose drafts are rejected decides the call's length only makes its steps dearer.
 
 What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (while
-plain: two steps of each chain in turn, the first catching the MTP modules up, untimed), and drafting resumes with two
-steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of
+plain: two steps of each chain in turn, the first catching the MTP modules up, untimed); each call starts, and
+drafting resumes, with two steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of
 the last :data:`GUARD_WINDOW` drafting steps is below that of as many plain steps. **Memory**: costs, acceptance
 (scaled to :data:`CALL_START_TRIES` tries at a call's start) and the plain rate are kept per module, host, batch
 size, device and mode; a call that starts where the last ended on a hold, with drafting still rated below plain,
@@ -204,9 +204,9 @@ class AutoPolicy:
                     choice = None
             elif self.switches.guard and self.timings and choice is not None and len(memory.plain_steps) < MIN_SAMPLES:
                 choice = None  # the guard's first plain measurements
-            elif self.switches.explore and self.timings and choice is not None and self.after_plain:
-                # drafting resumes with two steps of the deepest draft: the first catches the modules up, the second
-                # measures its cost and the acceptance at depths shallower drafts never reach
+            elif self.switches.explore and self.timings and self.after_plain and (choice or self.steps == 1):
+                # drafting resumes, and a call starts (its prompts are new), with two steps of the deepest draft: the
+                # first catches the modules up, the second measures its cost and every depth's acceptance
                 self.probing = self.options[-1]
                 choice, self.probe = self.probing, 1
         memory.streak = memory.streak + 1 if (choice is None) == memory.last_plain else 1
