@@ -39,13 +39,13 @@ class Machine:
 
     def __init__(self, fixed=1.0, per_token=0.01, per_draft=0.2, accept=0.8, rows=1, seed=0, overhead=0.0):
         self.fixed, self.per_token, self.per_draft, self.accept, self.rows = fixed, per_token, per_draft, accept, rows
-        self.overhead = overhead
+        self.overhead, self.slow = overhead, 1.0  # slow: every step takes this many times longer
         self.rng = random.Random(seed)
 
     def seconds(self, option: Optional[TreeShape]) -> float:
         tokens = 1 if option is None else option.num_nodes + 1
         drafting = 0.0 if option is None else self.overhead + self.per_draft * option.depth
-        return self.fixed + self.per_token * self.rows * tokens + drafting
+        return self.slow * (self.fixed + self.per_token * self.rows * tokens + drafting)
 
     def step(self, policy: AutoPolicy, option: Optional[TreeShape]) -> float:
         """Run one step of ``option`` and report it to ``policy``; returns the tokens per row it gained."""
@@ -334,6 +334,17 @@ def test_a_seed_reproduces_sampled_output_and_seeded_calls_use_no_timings(models
         config = GenerationConfig(max_new_tokens=24, temperature=temperature)
         _, steps = draft_plan(model, decoding_host(model), config, 1, torch.device("cpu"), False, seeded)
         assert steps.policy.timings is timed and steps.policy.memory.cost.learn is timed
+
+
+def test_the_guard_holds_only_if_plain_steps_measured_then_confirm():
+    """The plain rate the guard compares with was measured earlier. When the machine slows down (another process
+    takes it), drafting measures slower than that though it still pays; the guard then takes MIN_SAMPLES plain steps
+    and holds only if they are faster than drafting was. Here they are four times slower too: drafting goes on."""
+    machine, policy = Machine(per_draft=0.1, accept=0.9), policy_for(share=0.2)
+    run(policy, machine, 100)
+    machine.slow = 4.0
+    choices, _ = run(policy, machine, 100)
+    assert policy.holds == 0 and choices["plain"] <= 12, choices  # the checks, and a measurement every 32 steps
 
 
 def test_hold_steps_is_what_the_guard_waits(switches):

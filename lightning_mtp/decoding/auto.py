@@ -11,12 +11,12 @@ while a row whose drafts are rejected decides the call's length only makes its s
 
 What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (while
 plain: two steps of each chain in turn, the first catching the MTP modules up, untimed); each call starts, and
-drafting resumes, with two steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling) while the measured rate of
-the last :data:`GUARD_WINDOW` drafting steps is below that of as many plain steps. **Memory**: costs, acceptance
-(scaled to :data:`CALL_START_TRIES` tries at a call's start) and the plain rate are kept per module, host, batch
-size, device and mode; a call that starts where the last ended on a hold, with drafting still rated below plain,
-decodes plainly without setting up the drafter (:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides
-afresh).
+drafting resumes, with two steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling)
+when the measured rate of the last :data:`GUARD_WINDOW` drafting steps is below that of as many plain steps and of
+:data:`MIN_SAMPLES` plain steps taken then. **Memory**: costs, acceptance (scaled to :data:`CALL_START_TRIES` tries at
+a call's start) and the plain rate are kept per module, host, batch size, device and mode; a call that starts where
+the last ended on a hold, with drafting still rated below plain, decodes plainly without setting up the drafter
+(:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides afresh).
 
 Every option is lossless. With sampling, which draft a step makes decides which random numbers it consumes: a call
 with a seed (or a generator) decides from the prior cost model and its own acceptance only, never from timings, so a
@@ -77,11 +77,6 @@ class AutoMemory:
     last_plain: bool = False  # whether the last step was plain
     measured: int = 0  # drafting measurements taken while plain steps were chosen (the drafts in turn)
 
-    @property
-    def plain_rate(self) -> Optional[float]:
-        """Measured tokens per second of the last plain steps (``None`` before :data:`MIN_SAMPLES` are timed)."""
-        return measured_rate(self.plain_steps) if len(self.plain_steps) >= MIN_SAMPLES else None
-
     @classmethod
     def fresh(cls, draft_share: float, learn_costs: bool = True) -> AutoMemory:
         return cls(StepCost(draft_share, learn=learn_costs))
@@ -118,6 +113,7 @@ class AutoPolicy:
         self.steps = 0
         self.hold = 0  # plain steps the guard still holds
         self.window: list[tuple[float, float]] = []  # (tokens, seconds) of the last drafting steps
+        self.check: Optional[tuple[float, list]] = None  # (drafting rate, plain steps since) while the guard checks
         self.holds = 0  # times the guard held this call plain (each hold twice as long as the one before)
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
         self.probe = 0  # drafting steps still to take to measure drafting (the first one only catches up)
@@ -183,8 +179,8 @@ class AutoPolicy:
     def next(self) -> Optional[TreeShape]:
         """The next step's draft (``None``: a plain step)."""
         self.steps += 1
-        if self.hold > 0:
-            self.hold -= 1
+        if self.hold > 0 or self.check is not None:
+            self.hold = max(self.hold - 1, 0)
             return None
         memory = self.memory
         if self.probe > 0:
@@ -234,11 +230,9 @@ class AutoPolicy:
                 self.remaining[row] = remaining[row]  # >= 1: the row has not finished
                 for depth in range(1, min(accepted + 1, len(reached)) + 1):  # the depths the row tried
                     _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(accepted >= depth), 1.0)
-        if not self.timings:
-            return
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
-        if self.steps == 1 or catching_up or not seconds > 0:
-            # untimed: a call's first step, a draft after plain steps (it catches the modules up), a nan time
+        if not self.timings or self.steps == 1 or catching_up or not seconds > 0:
+            # untimed: a seeded call, its first step, a draft after plain steps (it catches the modules up), a nan time
             return
         if self.switches.fit:
             tokens = 1 if option is None else option.num_nodes + 1
@@ -246,13 +240,19 @@ class AutoPolicy:
         emitted = active_rows + sum(reached)  # a bonus token per row, and every accepted draft
         if option is None:
             self.memory.plain_steps = (self.memory.plain_steps + [(emitted, seconds)])[-GUARD_WINDOW:]
+            if self.check is not None:  # the guard holds only if plain steps measured now confirm it
+                self.check[1].append((emitted, seconds))
+                if len(self.check[1]) == MIN_SAMPLES:
+                    if measured_rate(self.check[1]) > self.check[0]:
+                        self.holds += 1
+                        self.hold = HOLD_STEPS * 2 ** (self.holds - 1)
+                    self.check = None
             return
         self.window = (self.window + [(emitted, seconds)])[-GUARD_WINDOW:]
-        plain = self.memory.plain_rate
+        plain = measured_rate(self.memory.plain_steps) if len(self.memory.plain_steps) >= MIN_SAMPLES else None
         if self.switches.guard and plain is not None and len(self.window) == GUARD_WINDOW:
-            if measured_rate(self.window) < plain:
-                self.holds += 1
-                self.hold, self.window = HOLD_STEPS * 2 ** (self.holds - 1), []
+            if measured_rate(self.window) < plain:  # slower than plain was: plain steps now decide (a machine drifts)
+                self.check, self.window = (measured_rate(self.window), []), []
 
     def end_call(self) -> None:
         """The call is over: the next one starts plainly when this one ended on the guard's hold."""
