@@ -234,6 +234,22 @@ def test_a_batch_is_rated_by_the_row_that_ends_last(switches):
     assert rated_by_rows < 1.15 * plain < pooled, (rated_by_rows, plain, pooled)
 
 
+def test_a_rows_counts_fade_while_it_steps_plainly():
+    """A row whose drafts were rejected is rated below the shared estimate; while the batch steps plainly it gathers
+    no evidence, so its counts fade with every step and its rating returns towards the shared one (a measurement
+    then finds out whether it still rejects)."""
+    policy, chain = policy_for(rows=2), TreeShape.chain(1)
+    for _ in range(20):  # row 0 accepts, row 1 rejects
+        policy.observe(chain, 2, [1], 0.01, rows=[1, 0], remaining=[50, 50])
+    shared = policy.acceptance(1)
+    low = policy.expected_tokens(chain, 1) - 1
+    for _ in range(64):
+        policy.observe(None, 2, [], 0.01, rows=[0, 0], remaining=[50, 50])
+    faded = policy.expected_tokens(chain, 1) - 1
+    assert low < 0.15 and shared > 0.45  # 20 rejections against the pooled half
+    assert faded - low > 0.3 * (shared - low)  # 64 plain steps keep 0.98^64 = 27% of the row's counts
+
+
 def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():
     accept, budget = [0.95] * 8, 96
     machine = Machine(per_draft=0.3, seed=2)

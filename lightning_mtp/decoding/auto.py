@@ -226,10 +226,12 @@ class AutoPolicy:
             if accepted < 0:
                 self.rows.pop(row, None)
                 self.remaining.pop(row, None)
-            elif self.switches.rows:
+            elif self.switches.rows:  # a row's counts fade at every step: left plain, it returns to the prior
                 self.remaining[row] = remaining[row]  # >= 1: the row has not finished
-                for depth in range(1, min(accepted + 1, len(reached)) + 1):  # the depths the row tried
-                    _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(accepted >= depth), 1.0)
+                tried = min(accepted + 1, len(reached))  # the depths the row tried (none in a plain step)
+                for depth in range(1, max(tried, len(self.rows[row])) + 1):
+                    _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(tried >= depth <= accepted),
+                           float(tried >= depth))
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
         if not self.timings or self.steps == 1 or catching_up or not seconds > 0:
             # untimed: a seeded call, its first step, a draft after plain steps (it catches the modules up), a nan time
