@@ -88,9 +88,9 @@ def test_auto_greedy_equals_plain_greedy(models, architecture):
 @pytest.mark.parametrize("architecture", ["cascaded", "parallel"])
 def test_auto_equals_plain_greedy_where_its_drafts_are_accepted(models, architecture, monkeypatch):
     """``auto`` on costs that make drafting pay (a drafting call priced at 2% of a plain step and no timing learned,
-    so noise on the test machine cannot make it decode plainly): it drafts, switching between chains and trees by the
-    acceptance it learns on a ragged batch, and its output equals plain greedy decoding while many drafts are
-    accepted (τ well above 1), so the equality means something."""
+    so noise on the test machine cannot make it decode plainly): it drafts, switching between chains of 1..D by the
+    acceptance it learns for each row of a ragged batch, and its output equals plain greedy decoding while many drafts
+    are accepted (τ well above 1), so the equality means something."""
     from lightning_mtp.decoding import tree_policy
     from lightning_mtp.decoding.auto import SWITCHES
 

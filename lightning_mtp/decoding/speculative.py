@@ -187,6 +187,7 @@ def decode(
     host.rollback(cache, state.newest)
 
     finished = _all_done(state, sync_ranks)
+    per_row = getattr(policy, "per_row", False)  # `auto`: each row's accepted drafts (-1: finished) and budget
     while not finished:
         if drafter is None:
             _, _, logits = verify_forward(host, cache, state, 0)
@@ -204,7 +205,6 @@ def decode(
         summary = step(host, drafter, draft_state, cache, state, option, draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
-        per_row = getattr(policy, "per_row", False)  # `auto`: each row's accepted drafts (-1: finished) and budget
         if per_row:
             summary = torch.cat([summary.long(), state.last_accepted.masked_fill(state.done, -1),
                                  config.max_new_tokens - state.emitted])
