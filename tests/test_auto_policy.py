@@ -100,6 +100,27 @@ def test_the_cost_model_learns_the_machines_step_costs():
                                                   rel=0.02)
 
 
+def test_drafts_measured_while_the_machine_was_slow_are_not_priced_dear_after(switches):
+    """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. Its plain rate
+    was measured before, and plain steps, taken rarely while drafting pays, stay that fast: learned as measured, the
+    drafts are priced half as dear again as they are and the call steps plainly for most of the 300 steps after (a
+    draft is measured once in 32 of them). Learned over the machine's speed at the time, it goes on drafting."""
+    def after_a_slow_spell() -> tuple[Counter, float]:
+        machine, policy = Machine(per_draft=0.3, accept=0.6, seed=3), policy_for()
+        run(policy, machine, 300)
+        machine.slow = 1.5
+        run(policy, machine, 40)
+        machine.slow = 1.0
+        return run(policy, machine, 300)
+
+    choices, rate = after_a_slow_spell()
+    steady = run(policy_for(), Machine(per_draft=0.3, accept=0.6, seed=3), 640)[1]
+    switches.speed = False
+    unaware_choices, unaware = after_a_slow_spell()
+    assert choices["plain"] <= 15 and rate > 0.97 * steady, (choices, rate, steady)
+    assert unaware_choices["plain"] > 150 and unaware < 0.9 * rate, (unaware_choices, unaware)
+
+
 def test_one_slow_step_does_not_decide():
     """A step that measured new matrix-product shapes (or lost its thread) takes many times its cost: a median of
     fewer than three steps would be that step, so a kind's median counts from three steps on, rates are mean tokens

@@ -189,4 +189,5 @@ def test_the_ablation_keeps_a_mechanism_only_where_removing_it_costs_two_percent
     assert [m for m, v in verdicts.items() if v >= 0.02] == ["fit"]
     names = [name for name, _, _ in ablation.variants(3)]
     assert names == ["plain", "chain k=1", "chain k=2", "chain k=3", "auto", "auto without fit",
-                     "auto without guard", "auto without memory", "auto without explore", "auto without rows"]
+                     "auto without speed", "auto without guard", "auto without memory", "auto without explore",
+                     "auto without rows"]

@@ -1,26 +1,16 @@
 """``speculative="auto"``: each step takes the draft with the most expected tokens per second, or none.
 
-Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D drafts; or, when the call
-names a tree or a chain longer than D, a plain step and that draft) by its expected tokens over its predicted seconds
-and takes the best (design and measurements: docs/decoding.md). Seconds come from
-:class:`~lightning_mtp.decoding.step_cost.StepCost` (medians of the timed steps; a prior from the weights' bytes).
-Tokens come from each row's acceptance: its own counts in the call over a shared running estimate of P(depth d is
-accepted | depth d-1 was) (prior :data:`PRIOR_ACCEPTANCE`, each deeper depth starting from the one above). A call ends
-when its last row does, so a batch is rated by the row with the most steps left: drafting for rows that finish early
-while a row whose drafts are rejected decides the call's length only makes its steps dearer.
-
-What is not chosen is still measured: after :data:`MEASURE_EVERY` steps of one kind one of the other is taken (while
-plain: two steps of each chain in turn, the first catching the MTP modules up, untimed); each call starts, and
-drafting resumes, with two steps of the deepest draft. **The guard** steps plainly for :data:`HOLD_STEPS` (doubling)
-when the measured rate of the last :data:`GUARD_WINDOW` drafting steps is below that of as many plain steps and of
-:data:`MIN_SAMPLES` plain steps taken then. **Memory**: costs, acceptance (scaled to :data:`CALL_START_TRIES` tries at
-a call's start) and the plain rate are kept per module, host, batch size, device and mode; a call that starts where
-the last ended on a hold, with drafting still rated below plain, decodes plainly without setting up the drafter
-(:attr:`AutoPolicy.retired`; one in :data:`RECHECK_EVERY` decides afresh).
-
-Every option is lossless. With sampling, which draft a step makes decides which random numbers it consumes: a call
-with a seed (or a generator) decides from the prior cost model and its own acceptance only, never from timings, so a
-seed gives the same samples in any process.
+Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D; or a plain step and a named
+tree or chain longer than D) by expected tokens over predicted seconds
+(:class:`~lightning_mtp.decoding.step_cost.StepCost`) and takes the best. Tokens come from each row's acceptance
+counts in the call over a shared running estimate of P(depth d accepted | depth d-1 was); a batch is rated by the row
+with the most steps left (a call ends when its last row does). What is not chosen is still measured
+(:data:`MEASURE_EVERY`), and each call starts, and drafting resumes, with two steps of the deepest draft. **The
+guard** steps plainly for :data:`HOLD_STEPS` (doubling) when the last :data:`GUARD_WINDOW` drafting steps measured
+slower than plain steps, then and before. **Memory**: costs, acceptance and the plain rate are kept per module, host,
+batch size, device and mode (:attr:`AutoPolicy.retired`: a call after one that ended on a hold starts plainly). A
+call with a seed (or generator) decides without timings, so a seed gives the same samples anywhere. Every option is
+lossless. Design, constants and measurements: docs/decoding.md.
 
 Example::
 
@@ -67,9 +57,8 @@ class AutoMemory:
     """What ``auto`` learned for one module / host / batch size / device / mode, kept across calls."""
 
     cost: StepCost
-    acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    """(depth, the draft's kind) -> [accepted, tried], forgotten by :data:`FORGET` at each try. Chains share one
-    kind; a named tree has its own (its depths accept more often than a chain's)."""
+    acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
+    # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
     ended_on_hold: bool = False  # the last call ended while the guard held it plain (AutoPolicy.end_call)
     plain_calls: int = 0  # calls in a row that started plainly (AutoPolicy.retired)
     plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
@@ -86,19 +75,17 @@ class AutoMemory:
 class Switches:
     """Which mechanisms run (all by default; ``benchmarks/decode_ablation.py`` turns each off in turn)."""
 
-    fit: bool = True
+    fit: bool = True  # step costs fitted to the timed steps (off: the prior from the weights' bytes)
+    speed: bool = True  # steps learned over the machine's speed at the time (off: as measured; see .step_cost)
     guard: bool = True
     memory: bool = True
-    explore: bool = True
-    """Measure each chain in turn, and the deepest whenever drafting resumes (off: measure the best-rated draft)."""
-    rows: bool = True
-    """Rate a batch by its rows' own acceptance and its last row to finish (off: the rows' pooled acceptance)."""
-
+    explore: bool = True  # each chain measured in turn, the deepest when drafting resumes (off: the best-rated)
+    rows: bool = True  # a batch rated by its rows' own acceptance and its last row (off: the pooled acceptance)
 
 SWITCHES = Switches()  # the mechanisms every new policy uses (the ablation benchmark changes these fields)
 
 
-def _kind(option: TreeShape) -> str:
+def _kind(option: TreeShape) -> str:  # a key of AutoMemory.acceptance
     return "chain" if option.is_chain else option.describe()
 
 
@@ -131,7 +118,7 @@ class AutoPolicy:
             counts[0], counts[1] = counts[0] * scale, counts[1] * scale
         self.retired = False
         ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
-        if ended_plain and self._rate(self._best()) <= self._rate(None):
+        if ended_plain and self._rate(max(self.options[1:], key=self._rate)) <= self._rate(None):
             memory.plain_calls += 1
             self.retired = memory.plain_calls % RECHECK_EVERY != 0
         else:
@@ -171,10 +158,6 @@ class AutoPolicy:
         steps_left = max(self.remaining[row] / expected[row] for row in self.remaining)
         return sum(self.remaining.values()) / (steps_left * seconds)
 
-    def _best(self) -> TreeShape:
-        """The drafting option of the highest rate."""
-        return max((o for o in self.options if o is not None), key=self._rate)
-
     # ----------------------------------------------------------------- choosing
     def next(self) -> Optional[TreeShape]:
         """The next step's draft (``None``: a plain step)."""
@@ -186,7 +169,7 @@ class AutoPolicy:
         if self.probe > 0:
             self.probe, choice = self.probe - 1, self.probing
         else:
-            best = self._best()
+            best = max(self.options[1:], key=self._rate)  # options[0] is None: a plain step
             choice = None if self._rate(best) <= self._rate(None) else best
             if self.timings and memory.streak >= MEASURE_EVERY and (choice is None) == memory.last_plain:
                 # a measured step of the other kind: a plain step, or two steps of each draft in turn (the first
@@ -238,7 +221,8 @@ class AutoPolicy:
             return
         if self.switches.fit:
             tokens = 1 if option is None else option.num_nodes + 1
-            self.memory.cost.observe(active_rows, tokens, 0 if option is None else option.depth, seconds)
+            self.memory.cost.observe(active_rows, tokens, 0 if option is None else option.depth, seconds,
+                                    track_speed=self.switches.speed)
         emitted = active_rows + sum(reached)  # a bonus token per row, and every accepted draft
         if option is None:
             self.memory.plain_steps = (self.memory.plain_steps + [(emitted, seconds)])[-GUARD_WINDOW:]

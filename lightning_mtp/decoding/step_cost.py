@@ -12,6 +12,9 @@ when it drafts) after ``m`` drafting calls (one MTP module and the output head e
 * ``per_depth``: what one more depth of a chain adds (a drafting call and one more verified token per row);
 * ``per_node``: what each tree node beyond the chain adds (a verified token-row), trees only.
 
+**The machine's speed drifts**: a step takes ``speed · cost``, ``speed`` the median over the last :data:`SPEED_WINDOW`
+steps of measured over own kind's median seconds; steps are learned as ``seconds / speed`` (ratios decide).
+
 All are medians of the steps the decode runs (a step's time on a busy machine has outliers a mean would follow):
 ``plain`` over the last :data:`WINDOW` plain steps; each draft depth ``m`` with :data:`MIN_SAMPLES` steps gives a point,
 the median of ``seconds - plain - per_node · extra node-rows``, and a line through the points gives ``overhead`` (at 0)
@@ -49,6 +52,8 @@ TOKEN_SHARE = 0.05
 """A verified token-row's cost in plain steps, in the prior (small: a decoding step of a few tokens is memory-bound)."""
 WINDOW = 32
 """Timed steps of each kind (plain, each draft depth) whose median the costs are."""
+SPEED_WINDOW = 8
+"""Steps whose median ratio of measured to predicted seconds is the machine's current speed."""
 MIN_SAMPLES = 3
 """Timed steps a kind needs before its median counts (a median of 3 ignores one outlier: the first steps of a shape
 in a process measure their matrix products, :mod:`lightning_mtp.small_matmul`)."""
@@ -88,12 +93,23 @@ class StepCost:
         self.plain_steps: deque = deque(maxlen=WINDOW)  # seconds
         self.drafting_steps: dict[int, deque] = {}  # depth -> (seconds, extra node-rows) of its last steps
         self.timed = 0
+        self.ratios: deque = deque(maxlen=SPEED_WINDOW)  # measured over predicted seconds of the last steps
+        self.speed = 1.0  # the machine's speed: median of ratios (1 until kinds are measured)
+        self._medians: tuple[float, dict[int, float]] = (1.0, {})  # _fit: a plain step, each depth's cost over it
         self._fitted: Optional[tuple[float, float, float, float]] = None  # parameters() until the next step
 
-    def observe(self, rows: int, tokens: int, drafts: int, seconds: float) -> None:
-        """A timed step: ``rows`` rows verified ``tokens`` tokens each after ``drafts`` drafting calls."""
+    def observe(self, rows: int, tokens: int, drafts: int, seconds: float, track_speed: bool = True) -> None:
+        """A timed step: ``rows`` rows verified ``tokens`` tokens each after ``drafts`` drafting calls
+        (``track_speed=False``: learned as measured, the machine's drift ignored)."""
         if not self.learn or rows <= 0 or not seconds > 0:
             return
+        self.parameters()
+        plain, points = self._medians  # the speed now: the last steps of any kinds, each over its own kind's median
+        if track_speed and self.plain_timed and (drafts == 0 or drafts in points):
+            extra = TOKEN_SHARE * plain * rows * (tokens - 1 - drafts)
+            self.ratios.append(seconds / (plain + points.get(drafts, 0.0) + extra))
+            self.speed = median(self.ratios)
+        seconds /= self.speed
         if drafts == 0:
             self.plain_steps.append(seconds)
         else:
@@ -108,8 +124,8 @@ class StepCost:
         return len(self.plain_steps) >= MIN_SAMPLES
 
     def parameters(self) -> tuple[float, float, float, float]:
-        """(plain, overhead, per_depth, per_node): in seconds once :data:`MIN_SAMPLES` plain steps are timed, else in
-        plain steps (the prior)."""
+        """(plain, overhead, per_depth, per_node): in seconds at the machine's speed now once :data:`MIN_SAMPLES`
+        plain steps are timed, else in plain steps (the prior)."""
         if self._fitted is None:
             self._fitted = self._fit()
         return self._fitted
@@ -118,12 +134,11 @@ class StepCost:
         timed = self.plain_timed
         plain = median(self.plain_steps) if timed else 1.0
         per_node = TOKEN_SHARE * plain
-        points = [(depth, median(s - plain - per_node * extra for s, extra in steps))
-                  for depth, steps in sorted(self.drafting_steps.items()) if len(steps) >= MIN_SAMPLES] if timed else []
-        if not points:
-            return plain, 0.0, (self.draft_share + TOKEN_SHARE) * plain, per_node
-        overhead, per_depth = _line(points)
-        return plain, overhead, per_depth, per_node
+        points = {depth: median(s - plain - per_node * extra for s, extra in steps)
+                  for depth, steps in sorted(self.drafting_steps.items()) if len(steps) >= MIN_SAMPLES} if timed else {}
+        self._medians = plain, points
+        overhead, per_depth = _line(list(points.items())) if points else (0.0, (self.draft_share + TOKEN_SHARE) * plain)
+        return tuple(self.speed * value for value in (plain, overhead, per_depth, per_node))  # at the speed now
 
     def seconds(self, rows: int, tokens: int, drafts: int) -> float:
         """A step's predicted cost; never below a tenth of a plain step, so noise cannot price a step at nothing."""

@@ -1,13 +1,12 @@
 """Which drafter a decoding call uses and what each of its steps drafts.
 
-``speculative=False``: none. ``speculative=True``: the chain drafter for ``draft_tokens <= D`` (its fixed or
-adaptive length, :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one fixed shape
-(:class:`FixedTree`: a static tree, a dynamic tree, or a chain longer than D). ``speculative="auto"``:
-:class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D (the chain
-drafter); with a named tree or chain longer than D, among a plain step and that draft (the tree drafter). ``auto``
-keeps the fixed chain of D when decoding is sharded over several processes (DeepSpeed ZeRO-3, FSDP2: every rank must
-run the same forwards) and when a chain-only option is set (``compile``, ``acceptance="typical"``,
-``draft_confidence_threshold``, ``adaptive_draft_tokens``).
+``speculative=False``: none. ``True``: the chain drafter for ``draft_tokens <= D`` (fixed or adaptive length,
+:class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one :class:`FixedTree` shape.
+``"auto"``: :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D
+(the chain drafter), or a plain step and a named tree or chain longer than D (the tree drafter). ``auto`` keeps the
+fixed chain of D when decoding is sharded over several processes (every rank must run the same forwards) and with
+a chain-only option (``compile``, ``acceptance="typical"``, ``draft_confidence_threshold``,
+``adaptive_draft_tokens``).
 """
 
 from __future__ import annotations
