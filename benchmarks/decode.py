@@ -18,7 +18,8 @@ verified per row and step: k for a chain, null for ``auto``), ``batch_size``, ``
 ``acceptance_per_depth`` (share of row-steps whose accepted path reached depth d), ``tokens_per_s`` and ``speedup``
 (over plain decoding of the same mode and batch size); greedy rows say whether the output equals plain decoding
 token for token (``lossless``; null for sampling). ``auto`` rows also count the options the policy chose
-(``auto_choices``). The timing is the median over ``--repeats`` interleaved repeats; every row is run once before
+(``auto_choices``). The timing is the median over ``--repeats`` repeats, each interleaving the rows of a batch size
+batch by batch of prompts (so the machine's drift reaches every row alike); every row is run once before
 (a warm-up over the same prompts and batches: 8 new tokens, ``auto`` rows the whole budget), so what ``auto`` learns
 in its first call per batch size (its step costs and acceptance) is learned before the timed calls, as in any
 longer-running use (see :func:`measure`).
@@ -129,10 +130,9 @@ def held_out_prompts(datamodule, count: int, length: int) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- runs
-def run_mode(model, prompts: list[torch.Tensor], batch_size: int, max_new_tokens: int, seed: int, **kwargs):
-    """Decode every prompt (in batches); returns (new tokens per prompt, combined stats dict)."""
-    outputs, stats = [], []
-    generator = torch.Generator().manual_seed(seed)
+def chunks(prompts: list[torch.Tensor], batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The prompts in batches of ``batch_size``: (input ids, attention mask), right-padded with 0."""
+    out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         width = max(len(p) for p in chunk)
@@ -141,10 +141,28 @@ def run_mode(model, prompts: list[torch.Tensor], batch_size: int, max_new_tokens
         for row, prompt in enumerate(chunk):
             input_ids[row, : len(prompt)] = prompt
             mask[row, : len(prompt)] = 1
-        out = generate(model, input_ids, max_new_tokens, attention_mask=mask, generator=generator, **kwargs)
-        outputs += [out.new_tokens[b, : out.num_new_tokens[b]].tolist() for b in range(len(chunk))]
-        stats.append(out.stats)
-    return outputs, DecodeStats.combine(stats)
+        out.append((input_ids, mask))
+    return out
+
+
+def run_chunk(model, chunk: tuple[torch.Tensor, torch.Tensor], max_new_tokens: int, generator: torch.Generator,
+              **kwargs) -> tuple[list[list[int]], DecodeStats]:
+    """Decode one batch of :func:`chunks`; returns (new tokens per prompt, stats)."""
+    input_ids, mask = chunk
+    out = generate(model, input_ids, max_new_tokens, attention_mask=mask, generator=generator, **kwargs)
+    return [out.new_tokens[b, : out.num_new_tokens[b]].tolist() for b in range(len(input_ids))], out.stats
+
+
+def run_mode(model, prompts: list[torch.Tensor], batch_size: int, max_new_tokens: int, seed: int, **kwargs):
+    """Decode every prompt (in batches); returns (new tokens per prompt, combined stats dict)."""
+    generator = torch.Generator().manual_seed(seed)
+    return combined([run_chunk(model, chunk, max_new_tokens, generator, **kwargs)
+                     for chunk in chunks(prompts, batch_size)])
+
+
+def combined(results: list[tuple[list[list[int]], DecodeStats]]) -> tuple[list[list[int]], dict]:
+    """(every prompt's new tokens, the combined stats dict) of :func:`run_chunk` results, in order."""
+    return [tokens for outputs, _ in results for tokens in outputs], DecodeStats.combine([s for _, s in results])
 
 
 def static_trees(depth: int, cascaded: bool) -> list[list[int]]:
@@ -235,7 +253,8 @@ def label(row: dict) -> str:
 def measure(model, prompts: list[torch.Tensor], plan: list[dict], max_new: int, repeats: int,
             choices: AutoChoices, warmup_tokens: int = 8) -> list[dict]:
     """Run every row of ``plan`` once as a warm-up (same prompts and batches; ``warmup_tokens`` new tokens, ``auto``
-    rows the whole budget), then ``repeats`` interleaved timed repeats; returns one record per row (median time).
+    rows the whole budget), then ``repeats`` timed repeats, the rows of one batch size interleaved batch by batch of
+    prompts; returns one record per row (median time).
 
     Greedy ``auto`` keeps what it learned across calls (its step costs and acceptance), as a user's later calls
     would, so its whole-budget warm-up keeps that first exploration out of the timed repeats. Sampling ``auto`` with
@@ -247,12 +266,20 @@ def measure(model, prompts: list[torch.Tensor], plan: list[dict], max_new: int, 
             run_mode(model, prompts, row["batch_size"], tokens, seed=0, **row["kwargs"])
     times = {i: [] for i in range(len(plan))}
     results = {}
-    for repeat in range(repeats):
-        for i, row in enumerate(plan):
-            key = f"{row['mode']} batch {row['batch_size']}"
-            counting = choices.counting(key) if row["decoder"] == "auto" else contextlib.nullcontext()
-            with counting:
-                outputs, stats = run_mode(model, prompts, row["batch_size"], max_new, seed=repeat, **row["kwargs"])
+    for repeat in range(repeats):  # interleaved batch by batch: a machine's drift reaches every row alike
+        done: dict[int, list] = {i: [] for i in range(len(plan))}
+        generators = {i: torch.Generator().manual_seed(repeat) for i in range(len(plan))}
+        for batch_size in sorted({row["batch_size"] for row in plan}):
+            group = [i for i, row in enumerate(plan) if row["batch_size"] == batch_size]
+            for chunk in chunks(prompts, batch_size):
+                for i in group:
+                    row = plan[i]
+                    key = f"{row['mode']} batch {row['batch_size']}"
+                    counting = choices.counting(key) if row["decoder"] == "auto" else contextlib.nullcontext()
+                    with counting:
+                        done[i].append(run_chunk(model, chunk, max_new, generators[i], **row["kwargs"]))
+        for i in range(len(plan)):
+            outputs, stats = combined(done[i])
             times[i].append(stats["elapsed_s"])
             results.setdefault(i, (outputs, stats))
     records = []

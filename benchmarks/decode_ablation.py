@@ -15,8 +15,9 @@ The policy (:mod:`lightning_mtp.decoding.auto`) has six mechanisms, each a field
 
 On one checkpoint and the same held-out prompts, greedy at batch 1 and 8: plain decoding, every fixed chain of
 1..D drafts, the whole policy and the policy without each mechanism, each row run once untimed (its warm-up call),
-then timed in ``--repeats`` interleaved repeats (median). A mechanism stays only if turning it off costs at least
-2% on some row (``benchmarks/results/decode_ablation.json``; the results page shows the table).
+then timed in ``--repeats`` repeats (median), the rows interleaved batch by batch of prompts. A mechanism stays only
+if turning it off costs at least 2% on some row (``benchmarks/results/decode_ablation.json``; the results page shows
+the table).
 
 Usage::
 
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import held_out_prompts, load, run_mode  # noqa: E402
+from decode import chunks, combined, held_out_prompts, load, run_chunk  # noqa: E402
 from report import provenance  # noqa: E402
 
 from lightning_mtp.decoding.auto import SWITCHES  # noqa: E402
@@ -57,16 +58,16 @@ def variants(depth: int) -> list[tuple[str, dict, dict]]:
     return rows
 
 
-def timed(model, prompts, batch: int, tokens: int, kwargs: dict, switches: dict, memory: dict) -> tuple[float, float]:
-    """(seconds, tau) of decoding every prompt with ``switches`` set (restored after) and ``memory`` as what ``auto``
-    learned on the model (each row learns in its own)."""
+def timed(model, chunk, tokens: int, kwargs: dict, switches: dict, memory: dict) -> tuple[float, tuple]:
+    """(seconds, the :func:`run_chunk` result) of decoding one batch of prompts with ``switches`` set (restored
+    after) and ``memory`` as what ``auto`` learned on the model (each row learns in its own)."""
     saved = dict(vars(SWITCHES))
     vars(SWITCHES).update(switches)
     model.__dict__["_mtp_auto_memory"] = memory
     try:
         start = time.perf_counter()
-        _, stats = run_mode(model, prompts, batch, tokens, seed=0, **kwargs)
-        return time.perf_counter() - start, stats["tau"]
+        result = run_chunk(model, chunk, tokens, torch.Generator().manual_seed(0), **kwargs)
+        return time.perf_counter() - start, result
     finally:
         vars(SWITCHES).update(saved)
 
@@ -81,14 +82,23 @@ def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> dict:
     for batch in args.batch_sizes:
         plan = variants(depth)
         memories: dict[str, dict] = {name: {} for name, _, _ in plan}
+        batches = chunks(prompts, batch)
         for name, kwargs, switches in plan:  # warm-up: every row once, untimed (auto learns its first call here)
-            timed(model, prompts, batch, args.max_new_tokens, kwargs, switches, memories[name])
+            for chunk in batches:
+                timed(model, chunk, args.max_new_tokens, kwargs, switches, memories[name])
         seconds: dict[str, list[float]] = {name: [] for name, _, _ in plan}
         taus: dict[str, float] = {}
         for _ in range(args.repeats):
-            for name, kwargs, switches in plan:
-                s, taus[name] = timed(model, prompts, batch, args.max_new_tokens, kwargs, switches, memories[name])
-                seconds[name].append(s)
+            spent: dict[str, float] = dict.fromkeys(seconds, 0.0)
+            results: dict[str, list] = {name: [] for name in seconds}
+            for chunk in batches:  # the rows interleaved batch by batch: the machine's drift reaches each alike
+                for name, kwargs, switches in plan:
+                    s, result = timed(model, chunk, args.max_new_tokens, kwargs, switches, memories[name])
+                    spent[name] += s
+                    results[name].append(result)
+            for name in seconds:
+                seconds[name].append(spent[name])
+                taus[name] = combined(results[name])[1]["tau"]
         median = {name: statistics.median(v) for name, v in seconds.items()}
         tokens = len(prompts) * args.max_new_tokens
         for name, _, _ in plan:
