@@ -13,7 +13,7 @@ on the same model and prompts, in one run (issue #14).
    - ``--smoke``: a tiny glm4_moe trained for ``--train-steps`` steps on arithmetic progressions (seconds).
 2. Import it: ``HFCausalLM(pretrained=DIR, mtp=MTPConfig(depth=num_nextn_predict_layers))``.
 3. Decode the same prompts (held-out files of the corpus, ragged lengths; greedy, no EOS: every run emits
-   ``--max-new-tokens``), each decoder in turn within every repeat (interleaved), after one untimed warm-up call:
+   ``--max-new-tokens``), after one untimed warm-up call; at batch 1 the decoders interleaved prompt by prompt:
    - batch 1: ``transformers`` greedy ``generate``; ``transformers`` ``generate(use_mtp=True)`` (its
      ``MTPCandidateGenerator``, which re-reads the MTP weights from the folder at every call: part of its cost);
      ours plain (``speculative=False``), chain (``speculative=True``: D drafts a step) and ``speculative="auto"``
@@ -288,16 +288,18 @@ def our_decoders(model: HFCausalLM, new: int, depth: int, batch: int) -> list[De
 
 
 def measure(decoders: list[Decoder], prompts: list[torch.Tensor], repeats: int, choices: AutoChoices) -> None:
-    """Time every decoder over the prompt set (batch 1: prompt by prompt; else one padded batch), interleaved within
-    each repeat, after an untimed warm-up; compare every output with the first decoder's (``transformers`` plain
-    greedy at batch 1)."""
+    """Time every decoder over the prompt set after an untimed warm-up: at batch 1 prompt by prompt, the decoders
+    interleaved prompt by prompt (the machine's drift reaches each alike); else one padded batch, the decoders in
+    turn. Compare every output with the first decoder's (``transformers`` plain greedy at batch 1)."""
     batch_ids, batch_mask = left_padded(prompts)
-    reference: list[torch.Tensor] = []
+    single = [d for d in decoders if d.batch_size == 1]
 
-    def run_set(decoder: Decoder, tally: Optional[Tally]) -> list[torch.Tensor]:
-        if decoder.batch_size == 1:
-            return [decoder.run(ids, None, tally)[0] for ids in prompts]
-        return list(decoder.run(batch_ids, batch_mask, tally))
+    def timed(decoder: Decoder, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        counting = choices.counting(decoder.name) if decoder.mode == "auto" else contextlib.nullcontext()
+        with counting:
+            start = time.perf_counter()
+            outputs = decoder.run(ids, mask, decoder.tally)
+            return ([outputs[0]] if mask is None else list(outputs)), time.perf_counter() - start
 
     with torch.inference_mode():
         for decoder in decoders:  # warm-up; auto learns its costs and acceptance here (once per batch size)
@@ -306,15 +308,19 @@ def measure(decoders: list[Decoder], prompts: list[torch.Tensor], repeats: int, 
             else:
                 decoder.run(batch_ids, batch_mask, None)
         for _ in range(repeats):
+            outputs: dict[str, list[torch.Tensor]] = {d.name: [] for d in decoders}
+            seconds: dict[str, float] = {d.name: 0.0 for d in decoders}
+            for ids in prompts:
+                for decoder in single:
+                    out, spent = timed(decoder, ids, None)
+                    outputs[decoder.name] += out
+                    seconds[decoder.name] += spent
+            for decoder in (d for d in decoders if d.batch_size != 1):
+                outputs[decoder.name], seconds[decoder.name] = timed(decoder, batch_ids, batch_mask)
+            reference = outputs[decoders[0].name]  # transformers plain greedy comes first
             for decoder in decoders:
-                counting = choices.counting(decoder.name) if decoder.mode == "auto" else contextlib.nullcontext()
-                with counting:
-                    start = time.perf_counter()
-                    outputs = run_set(decoder, decoder.tally)
-                    decoder.seconds.append(time.perf_counter() - start)
-                if not reference:  # transformers plain greedy comes first
-                    reference = [out.clone() for out in outputs]
-                decoder.equal &= all(torch.equal(out, ref) for out, ref in zip(outputs, reference))
+                decoder.seconds.append(seconds[decoder.name])
+                decoder.equal &= all(torch.equal(out, ref) for out, ref in zip(outputs[decoder.name], reference))
 
 
 def rows_of(decoders: list[Decoder], new: int, prompts: int, choices: AutoChoices) -> list[dict]:
@@ -436,7 +442,7 @@ def run(args: argparse.Namespace, scratch: Path, argv: Optional[list[str]] = Non
         "import_report": ours.mtp_native_report.summary() if ours.mtp_native_report else None,
         "prompt_lengths": [p.shape[1] for p in prompts], "max_new_tokens": new, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "greedy": True, "eos": None,
-        "timing": "median over repeats of the whole prompt set; decoders interleaved within each repeat; one "
+        "timing": "median over repeats of the whole prompt set; batch 1: decoders interleaved prompt by prompt; one "
                   "untimed warm-up call each (auto learns there)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     })

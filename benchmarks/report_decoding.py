@@ -288,9 +288,9 @@ def render_decode_ablation(source: Source) -> list[str]:
     out = [
         "`speculative=\"auto\"` with each of its mechanisms turned off in turn (`lightning_mtp.decoding.auto."
         "SWITCHES`), against the whole policy, plain decoding and every fixed chain, greedy, on the same held-out "
-        "prompts; each row learns in its own memory during an untimed warm-up call, then is timed in interleaved "
-        "repeats (median). **vs auto**: tokens/s over the whole policy's (below 1×: the mechanism paid); a "
-        "mechanism stays only if turning it off costs at least 2% on some row.", "",
+        "prompts; each row learns in its own memory during an untimed warm-up call, then is timed in repeats "
+        "(median), the rows interleaved batch by batch of prompts. **vs auto**: tokens/s over the whole policy's "
+        "(below 1×: the mechanism paid); a mechanism stays only if turning it off costs at least 2% on some row.", "",
     ]
     for run in data.get("runs", []):
         out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "

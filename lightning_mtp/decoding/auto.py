@@ -97,6 +97,8 @@ class AutoPolicy:
         self.memory, self.options, self.batch_size, self.timings = memory, options, batch_size, timings
         self.switches = SWITCHES
         self._estimates: dict[tuple[int, str], float] = {}
+        self._tokens: dict[tuple[Optional[int], str], list[float]] = {}
+        self.deepest = max(o.depth for o in options if o is not None)
         self.steps = 0
         self.hold = 0  # plain steps the guard still holds
         self.window: list[tuple[float, float]] = []  # (tokens, seconds) of the last drafting steps
@@ -116,13 +118,10 @@ class AutoPolicy:
         for counts in memory.acceptance.values():  # earlier calls' prompts differ: their counts weigh less
             scale = min(1.0, CALL_START_TRIES / max(counts[1], 1e-12))
             counts[0], counts[1] = counts[0] * scale, counts[1] * scale
-        self.retired = False
         ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
-        if ended_plain and self._rate(max(self.options[1:], key=self._rate)) <= self._rate(None):
-            memory.plain_calls += 1
-            self.retired = memory.plain_calls % RECHECK_EVERY != 0
-        else:
-            memory.plain_calls = 0
+        drafting_pays = self._rate(max(self.options[1:], key=self._rate)) > self._rate(None)
+        memory.plain_calls = memory.plain_calls + 1 if ended_plain and not drafting_pays else 0
+        self.retired = memory.plain_calls % RECHECK_EVERY != 0
 
     # ----------------------------------------------------------------- estimates
     def acceptance(self, depth: int, kind: str = "chain") -> float:
@@ -139,13 +138,18 @@ class AutoPolicy:
     def expected_tokens(self, option: Optional[TreeShape], row: Optional[int] = None) -> float:
         """Expected tokens a step emits for ``row`` (bonus token counted): the row's counts in this call over the
         shared estimate (:meth:`acceptance`) as a prior worth :data:`PRIOR_TRIES` tries (``None``: the shared one)."""
-        tokens, reach = 1.0, 1.0
-        counts = self.rows.get(row, {})
-        for depth in range(1, 0 if option is None else option.depth + 1):
-            hits, tried = counts.get(depth, (0.0, 0.0))
-            reach *= (hits + PRIOR_TRIES * self.acceptance(depth, _kind(option))) / (tried + PRIOR_TRIES)
-            tokens += reach
-        return tokens
+        if option is None:
+            return 1.0
+        key = (row, _kind(option))
+        tokens = self._tokens.get(key)  # after 0..deepest depths, memoised until the next observation
+        if tokens is None:
+            tokens, reach, counts = [1.0], 1.0, self.rows.get(row, {})
+            for depth in range(1, self.deepest + 1):
+                hits, tried = counts.get(depth, (0.0, 0.0))
+                reach *= (hits + PRIOR_TRIES * self.acceptance(depth, key[1])) / (tried + PRIOR_TRIES)
+                tokens.append(tokens[-1] + reach)
+            self._tokens[key] = tokens
+        return tokens[option.depth]
 
     def _rate(self, option: Optional[TreeShape]) -> float:
         """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
@@ -169,15 +173,14 @@ class AutoPolicy:
         if self.probe > 0:
             self.probe, choice = self.probe - 1, self.probing
         else:
-            best = max(self.options[1:], key=self._rate)  # options[0] is None: a plain step
-            choice = None if self._rate(best) <= self._rate(None) else best
+            rate, best = max(((self._rate(o), o) for o in self.options[1:]), key=lambda pair: pair[0])  # [0]: plain
+            choice = best if rate > self._rate(None) else None
             if self.timings and memory.streak >= MEASURE_EVERY and (choice is None) == memory.last_plain:
                 # a measured step of the other kind: a plain step, or two steps of each draft in turn (the first
                 # after plain steps catches the modules up and is not timed)
                 if choice is None:
                     drafts = self.options[1:] if self.switches.explore else [best]
-                    self.probing = drafts[memory.measured % len(drafts)]
-                    memory.measured += 1
+                    self.probing, memory.measured = drafts[memory.measured % len(drafts)], memory.measured + 1
                     choice, self.probe = self.probing, 1
                 else:
                     choice = None
@@ -200,7 +203,7 @@ class AutoPolicy:
         ``None``: every row took part and none has finished) and the tokens each may still emit."""
         if active_rows <= 0:
             return
-        self._estimates.clear()
+        self._estimates, self._tokens = {}, {}
         tried = active_rows
         for depth, hits in enumerate(reached, start=1):  # only what is tried is forgotten: an option left alone
             _count(self.memory.acceptance.setdefault((depth, _kind(option)), [0.0, 0.0]), hits, tried)  # keeps its
@@ -229,9 +232,8 @@ class AutoPolicy:
             if self.check is not None:  # the guard holds only if plain steps measured now confirm it
                 self.check[1].append((emitted, seconds))
                 if len(self.check[1]) == MIN_SAMPLES:
-                    if measured_rate(self.check[1]) > self.check[0]:
-                        self.holds += 1
-                        self.hold = HOLD_STEPS * 2 ** (self.holds - 1)
+                    if measured_rate(self.check[1]) > self.check[0]:  # each hold twice as long as the last
+                        self.hold, self.holds = HOLD_STEPS * 2 ** self.holds, self.holds + 1
                     self.check = None
             return
         self.window = (self.window + [(emitted, seconds)])[-GUARD_WINDOW:]
