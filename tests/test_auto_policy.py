@@ -398,10 +398,9 @@ def test_hold_steps_is_what_the_guard_waits(switches):
 
 
 
-def test_the_options_are_chains_up_to_d_plus_one_with_cascaded_modules(models):
-    """Cascaded modules: chains of 1..D+1 (the last module re-applied) by the tree drafter; parallel heads (fixed
-    offsets): chains of 1..D by the chain drafter. ``draft_tokens`` caps the chains (the chain drafter), and a chain
-    longer than D makes auto choose between plain steps and that chain (the tree drafter)."""
+def test_the_options_are_chains_up_to_d_by_the_chain_drafter(models):
+    """Cascaded modules and parallel heads: chains of 1..D by the chain drafter; ``draft_tokens`` caps the chains,
+    and a chain longer than D makes auto choose between plain steps and that chain (the tree drafter)."""
     from lightning_mtp.decoding.drafting import MTPDrafter
     from lightning_mtp.decoding.host import decoding_host
     from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
@@ -415,8 +414,7 @@ def test_the_options_are_chains_up_to_d_plus_one_with_cascaded_modules(models):
     cascaded, parallel = models["cascaded"], draftable_model("parallel")
     depth = cascaded.mtp_config.depth
     chains = [None] + [f"chain{k}" for k in range(1, depth + 1)]
-    assert plan(cascaded) == (MTPTreeDrafter, chains + [f"chain{depth + 1}"])
+    assert plan(cascaded) == (MTPDrafter, chains)
     assert plan(cascaded, draft_tokens=2) == (MTPDrafter, chains[:3])
-    assert plan(cascaded, draft_tokens=depth) == (MTPDrafter, chains)
     assert plan(cascaded, draft_tokens=depth + 1) == (MTPTreeDrafter, [None, f"chain{depth + 1}"])
     assert plan(parallel) == (MTPDrafter, chains)

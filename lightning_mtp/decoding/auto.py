@@ -1,7 +1,7 @@
 """``speculative="auto"``: each step takes the draft with the most expected tokens per second, or none.
 
-Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D, or 1..D+1 with cascaded
-modules; or a plain step and a named tree or chain longer than D) by expected tokens over predicted seconds
+Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D; or a plain step and a named
+tree or chain longer than D) by expected tokens over predicted seconds
 (:class:`~lightning_mtp.decoding.step_cost.StepCost`) and takes the best. Tokens come from each row's acceptance
 counts in the call over a shared running estimate of P(depth d accepted | depth d-1 was); a batch is rated by the row
 with the most steps left (a call ends when its last row does). What is not chosen is still measured

@@ -3,10 +3,10 @@
 ``speculative=False``: none. ``True``: the chain drafter for ``draft_tokens <= D`` (fixed or adaptive length,
 :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one :class:`FixedTree` shape.
 ``"auto"``: :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D
-(the chain drafter; 1..D+1 by the tree drafter for cascaded modules on a host that verifies trees), or a plain step
-and a named tree or chain longer than D. ``auto`` keeps the fixed chain of D when decoding is sharded over several
-processes (every rank must run the same forwards) and with a chain-only option (``compile``, ``acceptance="typical"``,
-``draft_confidence_threshold``, ``adaptive_draft_tokens``).
+(the chain drafter), or a plain step and a named tree or chain longer than D (the tree drafter). ``auto`` keeps the
+fixed chain of D when decoding is sharded over several processes (every rank must run the same forwards) and with
+a chain-only option (``compile``, ``acceptance="typical"``, ``draft_confidence_threshold``,
+``adaptive_draft_tokens``).
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     if requested is not None and not trees:
         raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
                          f"draft_tokens > D={depth}); leave them unset with speculative='auto'")
-    # chains of 1..D (chain drafter); cascaded modules on a tree host: 1..D+1, the last re-applied (tree drafter)
-    beyond = trees and module.mtp_config.architecture == "cascaded" and config.draft_tokens is None
-    options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth + beyond)
+    # Chains of 1..D by the chain drafter. A chain of D+1 through the tree drafter was an option too: its steps cost
+    # a tree step's overhead, and it lost to the chain of D on every benchmark row (docs/decoding.md).
+    options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth)
     # A seeded sampling call decides without timings: which draft a step makes decides which random numbers it
     # consumes, so a seed must give the same samples wherever it runs (the prior cost model and the call's own
     # acceptance only).
