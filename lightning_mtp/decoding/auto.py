@@ -119,8 +119,7 @@ class AutoPolicy:
             scale = min(1.0, CALL_START_TRIES / max(counts[1], 1e-12))
             counts[0], counts[1] = counts[0] * scale, counts[1] * scale
         ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
-        drafting_pays = self._rate(max(self.options[1:], key=self._rate)) > self._rate(None)
-        memory.plain_calls = memory.plain_calls + 1 if ended_plain and not drafting_pays else 0
+        memory.plain_calls = memory.plain_calls + 1 if ended_plain and self._best()[0] <= self._rate(None) else 0
         self.retired = memory.plain_calls % RECHECK_EVERY != 0
 
     # ----------------------------------------------------------------- estimates
@@ -138,18 +137,16 @@ class AutoPolicy:
     def expected_tokens(self, option: Optional[TreeShape], row: Optional[int] = None) -> float:
         """Expected tokens a step emits for ``row`` (bonus token counted): the row's counts in this call over the
         shared estimate (:meth:`acceptance`) as a prior worth :data:`PRIOR_TRIES` tries (``None``: the shared one)."""
-        if option is None:
-            return 1.0
-        key = (row, _kind(option))
+        depth, key = (0, (row, "chain")) if option is None else (option.depth, (row, _kind(option)))
         tokens = self._tokens.get(key)  # after 0..deepest depths, memoised until the next observation
         if tokens is None:
             tokens, reach, counts = [1.0], 1.0, self.rows.get(row, {})
-            for depth in range(1, self.deepest + 1):
-                hits, tried = counts.get(depth, (0.0, 0.0))
-                reach *= (hits + PRIOR_TRIES * self.acceptance(depth, key[1])) / (tried + PRIOR_TRIES)
+            for level in range(1, self.deepest + 1):
+                hits, tried = counts.get(level, (0.0, 0.0))
+                reach *= (hits + PRIOR_TRIES * self.acceptance(level, key[1])) / (tried + PRIOR_TRIES)
                 tokens.append(tokens[-1] + reach)
             self._tokens[key] = tokens
-        return tokens[option.depth]
+        return tokens[depth]
 
     def _rate(self, option: Optional[TreeShape]) -> float:
         """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
@@ -162,6 +159,9 @@ class AutoPolicy:
         steps_left = max(self.remaining[row] / expected[row] for row in self.remaining)
         return sum(self.remaining.values()) / (steps_left * seconds)
 
+    def _best(self) -> tuple[float, TreeShape]:  # the drafting option of the highest rate, and its rate
+        return max(((self._rate(o), o) for o in self.options[1:]), key=lambda pair: pair[0])  # [0] is None: plain
+
     # ----------------------------------------------------------------- choosing
     def next(self) -> Optional[TreeShape]:
         """The next step's draft (``None``: a plain step)."""
@@ -173,7 +173,7 @@ class AutoPolicy:
         if self.probe > 0:
             self.probe, choice = self.probe - 1, self.probing
         else:
-            rate, best = max(((self._rate(o), o) for o in self.options[1:]), key=lambda pair: pair[0])  # [0]: plain
+            rate, best = self._best()
             choice = best if rate > self._rate(None) else None
             if self.timings and memory.streak >= MEASURE_EVERY and (choice is None) == memory.last_plain:
                 # a measured step of the other kind: a plain step, or two steps of each draft in turn (the first
