@@ -197,10 +197,14 @@ def table(model: Model, hardware: Hardware, args: argparse.Namespace, acceptance
 
 def measure(model: Model, args: argparse.Namespace) -> dict:
     """Step times of plain decoding and of chains of 1..D on this machine's device, for ``model``'s shape with random
-    weights (bf16 on a GPU): a step's time does not depend on what its drafts are, only on its shape. Every row is
-    ``generate()`` over ``--measure-tokens`` new tokens at a context of ``--context`` tokens, timed after a warm-up
-    call (median of ``--repeats`` calls), divided by its main-model forwards; set beside the prediction for the
-    hardware this device is named after (``--hardware`` otherwise), both in plain steps of the same batch size."""
+    weights (bf16 on a GPU): a step's time does not depend on what its drafts are, only on its shape.
+
+    A step is timed by difference: a ``generate()`` call of ``--measure-tokens`` + 1 new tokens less one of a single
+    token (its prefill of ``--context`` tokens, and the call's set-up), over the main-model forwards between them. So
+    neither the prefill nor a call's fixed cost is counted as decoding. Options run interleaved within each of
+    ``--repeats`` rounds (the median round is kept), after two warm-up calls each, so a device whose clocks drift
+    shifts every option alike. Each row stands beside the prediction for the hardware this device is named after
+    (``--hardware`` otherwise): in milliseconds, and in plain steps of the same batch size."""
     import time
 
     import torch
@@ -220,31 +224,45 @@ def measure(model: Model, args: argparse.Namespace) -> dict:
     lm = CausalLM(model=config, mtp=MTPConfig(depth=model.depth, architecture="cascaded")).to(device).eval()
     if device.type == "cuda":
         lm = lm.to(torch.bfloat16)
+
+    def timed(prompts, new_tokens: int, kwargs: dict) -> tuple[float, int]:  # (seconds, main-model forwards)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = lm.generate(prompts, new_tokens, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out.stats.main_forwards
+
     rows = []
     for batch in args.batch_sizes:
         prompts = torch.randint(0, model.vocab, (batch, args.context), device=device)
-        steps = {}
-        for option in candidate_options(model.depth):
-            kwargs = {"speculative": False} if option is None else {"speculative": True, "draft_tokens": option.depth}
-            lm.generate(prompts, 4, **kwargs)  # warm-up
-            times = []
-            for _ in range(args.repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = lm.generate(prompts, args.measure_tokens, **kwargs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) / max(out.stats.main_forwards, 1))
-            steps[option] = sorted(times)[len(times) // 2]  # the median call
+        options = candidate_options(model.depth)
+        kwargs = {option: {"speculative": False} if option is None else
+                  {"speculative": True, "draft_tokens": option.depth} for option in options}
+        for option in options:
+            for _ in range(2):
+                timed(prompts, 4, kwargs[option])  # warm-up
+        steps = {option: [] for option in options}
+        short_calls = {option: [] for option in options}
+        for _ in range(args.repeats):
+            for option in options:  # interleaved
+                short, short_forwards = timed(prompts, 1, kwargs[option])
+                long, long_forwards = timed(prompts, args.measure_tokens + 1, kwargs[option])
+                steps[option].append((long - short) / max(long_forwards - short_forwards, 1))
+                short_calls[option].append(short)
+        median = {option: sorted(times)[len(times) // 2] for option, times in steps.items()}
         plain = step_seconds(model, costs, None, batch, args.context)
-        for option, seconds in steps.items():
+        for option in options:
+            predicted = step_seconds(model, costs, option, batch, args.context)
             rows.append({"batch_size": batch, "option": "plain" if option is None else option.describe(),
-                         "step_ms": round(seconds * 1e3, 4),
-                         "step_in_plain_steps": round(seconds / steps[None], 3),
-                         "predicted_step_in_plain_steps": round(
-                             step_seconds(model, costs, option, batch, args.context) / plain, 3)})
-    return {"model": model.name, "device": name, "predicted_for": hardware.name, "rows": rows}
+                         "step_ms": round(median[option] * 1e3, 4),
+                         "step_in_plain_steps": round(median[option] / median[None], 3),
+                         "predicted_step_ms": round(predicted * 1e3, 4),
+                         "predicted_step_in_plain_steps": round(predicted / plain, 3),
+                         "one_token_call_ms": round(sorted(short_calls[option])[args.repeats // 2] * 1e3, 3)})
+    return {"model": model.name, "device": name, "predicted_for": hardware.name, "context": args.context,
+            "measure_tokens": args.measure_tokens, "repeats": args.repeats, "rows": rows}
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -52,6 +52,7 @@ from report_format import (  # noqa: E402,F401  (provenance: what the benchmark 
     table,
     times,
 )
+from report_kernels import render_gpu_check, render_kernels  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -299,54 +300,6 @@ def render_thin_linear(source: Source) -> list[str]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------- triton_kernels.py
-def shape_text(shape: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in shape.items())
-
-
-def render_kernels(source: Source) -> list[str]:
-    rows = source.data
-    versus = [r for r in rows if "time_vs_torch_twin" in r]
-    gate = [r for r in rows if "over_forward_only_time" in r]
-    other = [r for r in rows if r not in versus and r not in gate]
-    lines = [
-        "The Triton kernels against their plain-torch twins on the same inputs: the fused linear + cross-entropy of "
-        "all depths, speculative verification of chains (`verify_drafts`) and of draft trees (`verify_tree`). Times "
-        "in ms and peak memory in MiB (lower is better); **vs torch twin**: the row's time or memory over the twin's. "
-        "The gradient-gate rows time the cross-entropy under `no_grad` / `inference_mode` / with grad, **over "
-        "forward-only**: against the forward alone (about 1.00 for the no-grad rows: they compute no gradients). "
-        "Rows on `cpu (triton interpreter)` are a smoke test: Triton's interpreter times say nothing about GPU "
-        "speed, the torch twin's CPU times do.", "",
-    ]
-    devices = ", ".join(sorted({r.get("device", "?") for r in rows}))
-    machine = machines_text({code(r["command"]) if r.get("command") else "rows without a recorded command":
-                             r.get("machine") for r in rows}, {"device": devices})
-    commands = [f"{code(c)} (recorded in the JSON)" for c in sorted({r["command"] for r in rows if r.get("command")})]
-    if any(not r.get("command") for r in rows):
-        commands.append(("rows without a recorded command: " if commands else "not recorded in the JSON; ")
-                        + "the script documents " + "; ".join(map(code, documented_commands("triton_kernels.py"))))
-    command = "; ".join(commands)
-    lines += provenance_lines(source, machine, command)
-    if versus:
-        out = [[r["op"], r["pass"], r["backend"], shape_text(r["shape"]), num(r["time_ms"], 3),
-                num(r["peak_mem_mib"]), times(r["time_vs_torch_twin"], 3), times(r["mem_vs_torch_twin"], 3)]
-               for r in versus]
-        lines += ["### Kernel against twin", "", *table(["op", "pass", "backend", "shape", "time ms", "peak MiB",
-                                                          "time vs torch twin", "memory vs torch twin"], out)]
-    if gate:
-        out = [[r["backend"], r["pass"], shape_text({k: v for k, v in r["shape"].items()
-                                                     if k not in ("weight", "hidden_requires_grad")}),
-                num(r["time_ms"], 3), num(r["peak_mem_mib"]), times(r["over_forward_only_time"], 3),
-                times(r["over_forward_only_mem"], 3)] for r in gate]
-        lines += ["### Gradient gate of the fused cross-entropy (head weight a Parameter)", "",
-                  *table(["backend", "pass", "shape", "time ms", "peak MiB", "time over forward-only",
-                          "memory over forward-only"], out)]
-    if other:
-        lines += [f"{len(other)} further rows not tabulated (keys: "
-                  f"{', '.join(sorted({k for r in other for k in r}))}).", ""]
-    return lines
-
-
 # ----------------------------------------------------------------------------------------------- anything else
 def render_generic(source: Source) -> list[str]:
     """A JSON file without a renderer: its top-level structure, so a new benchmark is noticed."""
@@ -387,6 +340,7 @@ REGISTRY: dict[str, Entry] = {
     "decode_ablation.json": Entry("What each mechanism of auto is worth", render_decode_ablation),
     "decode_roofline.json": Entry("Speculative decoding on GPUs, predicted", render_decode_roofline),
     "kernels.json": Entry("Kernels against their torch twins", render_kernels),
+    "gpu_check.json": Entry("The GPU check on a lent GPU", render_gpu_check),
 }
 """Result file (relative to ``benchmarks/results``) → its section; sections appear in this order."""
 

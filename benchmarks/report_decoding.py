@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from report_format import (
     Source,
     code,
@@ -321,7 +323,8 @@ def render_decode_roofline(source: Source) -> list[str]:
         "FLOPs and bytes (the larger of bytes over bandwidth and FLOPs over throughput, plus kernel launches), "
         "expected tokens per step from per-depth acceptance, and what `auto`'s step-cost model and policy would "
         "choose given those step times (`benchmarks/decode_roofline.py` states every assumption). "
-        "`scripts/gpu_check.sh` measures the same rows where a GPU is lent.", "",
+        "`scripts/gpu_check.sh` measures the same rows where a GPU is lent (the last table, where the JSON has "
+        "them).", "",
         f"- **Assumptions:** bf16 weights and cache; {num(100 * assumed['mbu'], 0)}% of peak bandwidth, "
         f"{num(100 * assumed['mfu'], 0)}% of peak FLOPs; {num(assumed['launch_us'], 1)} µs per kernel launch, "
         f"{assumed['launches_per_block']} per block; {assumed['context']} tokens of context per row; a second "
@@ -345,4 +348,25 @@ def render_decode_roofline(source: Source) -> list[str]:
                      f"{best['option']} {num(best['speedup'])}×", f"{chosen['option']} {num(chosen['speedup'])}×"])
     out += table(["model", "GPU", "batch", "plain step (ms)", "chain of D", "best option", "auto would choose"],
                  rows)
-    return out
+    return out + roofline_measured(data.get("measured"))
+
+
+def roofline_measured(measured: Optional[dict]) -> list[str]:
+    """The rows ``decode_roofline.py --measure`` timed on a device, beside their prediction."""
+    if not measured:
+        return []
+    by_difference = all("one_token_call_ms" in r for r in measured["rows"])
+    how = (f"each step timed by difference (a call of {measured['measure_tokens']} + 1 new tokens less a call of "
+           f"one, over the main-model forwards between them; median of {measured['repeats']} interleaved rounds), "
+           f"at {measured['context']} tokens of context" if by_difference else
+           "each step timed as a whole call over its main-model forwards, the prefill included")
+    return [
+        f"**Measured on {measured['device']}**, {measured['model']} with random bf16 weights: {how}; beside the "
+        f"prediction for {measured['predicted_for']}. **1-token call**: the call that the difference takes off "
+        "(the prefill and the call's set-up).", "",
+        *table(["batch", "option", "step (ms)", "predicted (ms)", "in plain steps", "predicted in plain steps",
+                "1-token call (ms)"],
+               [[str(r["batch_size"]), r["option"], num(r["step_ms"], 2), num(r.get("predicted_step_ms"), 3),
+                 num(r["step_in_plain_steps"]), num(r["predicted_step_in_plain_steps"]),
+                 num(r.get("one_token_call_ms"), 1)] for r in measured["rows"]]),
+    ]

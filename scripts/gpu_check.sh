@@ -21,7 +21,8 @@
 #   decode_bench    benchmarks/decode.py, short: trains 20 s on the GPU, then times decoding (on CPU: the benchmark
 #                   moves the model there)
 #   roofline_check  benchmarks/decode_roofline.py --measure: step times of plain decoding and chains of 1..D of the
-#                   benchmark model's shape (random bf16 weights) at batch 1, 8 and 64 on the GPU, beside the
+#                   benchmark model's shape (random bf16 weights) at batch 1, 8 and 64 on the GPU (by difference: the
+#                   prefill excluded), beside the
 #                   analytic model's prediction for that GPU (both in plain steps)
 #
 # Everything is JSON, under the output folder (default outputs/gpu_check/):

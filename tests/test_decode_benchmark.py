@@ -177,7 +177,8 @@ def test_the_roofline_measures_steps_beside_its_prediction(tmp_path):
     measured = result["measured"]
     assert measured["device"] == "cpu" and measured["predicted_for"] == "H200"
     assert [row["option"] for row in measured["rows"]] == ["plain", "chain1", "chain2", "chain3"]
-    assert all(row["step_ms"] > 0 and row["predicted_step_in_plain_steps"] >= 1.0 for row in measured["rows"])
+    assert all(row["step_ms"] > 0 and row["predicted_step_ms"] > 0 and row["one_token_call_ms"] > 0
+               and row["predicted_step_in_plain_steps"] >= 1.0 for row in measured["rows"])
 
 
 def test_the_ablation_keeps_a_mechanism_only_where_removing_it_costs_two_percent():
