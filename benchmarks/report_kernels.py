@@ -13,6 +13,7 @@ from report_format import (
     machine_text,
     machines_text,
     num,
+    plural,
     provenance_lines,
     result_link,
     table,
@@ -109,7 +110,7 @@ def step_summary(step: str, result: Any) -> str:
         method = "steps timed by difference" if rows and "one_token_call_ms" in rows[0] else \
             "whole calls over main-model forwards, the prefill counted in each step (the method before timing by " \
             "difference; not comparable with the prediction)"
-        return f"{len(rows)} rows: {method}"
+        return f"{plural(len(rows), 'row')}: {method}"
     return "–"
 
 

@@ -75,3 +75,24 @@ def test_provenance_records_the_command_and_the_machine(report):
     meta = report.provenance("/somewhere/benchmarks/thin_linear.py", ["--threads", "2", "--out", "a b.json"])
     assert meta["command"] == "python benchmarks/thin_linear.py --threads 2 --out 'a b.json'"
     assert {"platform", "cpus", "torch", "torch_threads", "device"} <= set(meta["machine"])
+
+
+def test_gpu_check_renderer_names_failed_steps_and_how_the_roofline_was_timed(report):
+    def record(step, status, result):
+        return {"step": step, "status": status, "rc": 0 if status == "passed" else 1, "seconds": 2.0,
+                "time_limit_s": 30, "result": result}
+
+    roofline = {"rows": [{"batch_size": 1, "option": "plain", "step_ms": 2.0}]}
+    summary = {"ok": False, "failed": ["fsdp2_fit"], "seconds": 9, "steps": {
+        "env": record("env", "passed", {"device": "Some GPU", "torch": "2.11", "cuda": "13.0"}),
+        "fsdp2_fit": record("fsdp2_fit", "failed", None),
+        "zero3_fit": record("zero3_fit", "passed", {"steps": 2, "train/loss": [2.5, 2.25], "finite": True}),
+        "roofline_check": record("roofline_check", "passed", roofline)}}
+    text = "\n".join(report.render_gpu_check(report.Source("gpu_check.json", summary)))
+    assert "overall: FAILED: fsdp2_fit in 9 s" in text
+    assert "| fsdp2_fit | failed | 2.0 | 30 | – |" in text
+    assert "| zero3_fit | passed | 2.0 | 30 | 2 steps, loss 2.500 → 2.250, finite: yes |" in text
+    assert "the prefill counted in each step" in text  # rows without one_token_call_ms: whole calls
+    roofline["rows"][0]["one_token_call_ms"] = 30.0
+    text = "\n".join(report.render_gpu_check(report.Source("gpu_check.json", summary)))
+    assert "1 row: steps timed by difference" in text
