@@ -12,6 +12,7 @@ from typing import Optional
 import pytest
 import torch
 from test_decoding import alone, draftable_model, ragged_prompts, rows_of
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mtp.decoding import GenerationConfig
 from lightning_mtp.decoding.auto import (
@@ -306,6 +307,34 @@ def test_a_call_ending_on_a_hold_starts_the_next_plainly_and_one_in_eight_rechec
     assert retired == [True] * (RECHECK_EVERY - 1) + [False]
 
 
+def test_a_call_ending_plainly_by_rating_retires_the_next_only_once_every_draft_is_timed(switches):
+    """Drafting does not pay (each depth costs a plain step, drafts are accepted half the time), yet the guard never
+    holds: the rating alone keeps the call plain. The next call starts plainly only when every chain's cost was
+    measured by then (an unmeasured one may be priced dear: it could pay after all)."""
+    switches.guard = True
+    machine = Machine(per_draft=1.0, accept=0.5)
+    memory = AutoMemory.fresh(1.0)
+    policy = policy_for(share=1.0, memory=memory)
+    run(policy, machine, 40)
+    policy.end_call()
+    unmeasured = [o.depth for o in policy.options[1:] if not memory.cost.measured(o.depth)]
+    assert memory.last_plain and unmeasured  # plain by rating, some chain never timed yet
+    assert policy.hold == 0 and not policy_for(memory=memory).retired
+
+    while not all(memory.cost.measured(o.depth) for o in policy.options[1:]):  # later calls time each chain in turn
+        policy = policy_for(memory=memory)
+        run(policy, machine, 40)
+    policy = policy_for(memory=memory)
+    while True:  # until a plain step chosen by rating (not a one-off measurement)
+        option = policy.next()
+        machine.step(policy, option)
+        if option is None and memory.streak >= 2:
+            break
+    assert policy.hold == 0
+    policy.end_call()
+    assert policy_for(memory=memory).retired
+
+
 def test_later_calls_start_from_what_earlier_ones_learned():
     memory = AutoMemory.fresh(0.05)
     machine = Machine(per_draft=1.5, accept=0.8)
@@ -350,8 +379,8 @@ def test_a_call_starting_plainly_never_touches_the_drafter(models, monkeypatch):
                             allocations.append(type(self).__name__) or _allocate(self, *a))
     model.generate(input_ids, 24, attention_mask=mask, speculative="auto")  # sets up the memory
     assert allocations  # the call drafted: the counting reaches the drafter auto uses
-    for memory in model.__dict__["_mtp_auto_memory"].values():  # as if the last call ended on a hold, and drafting
-        memory.ended_on_hold, memory.cost = True, StepCost(draft_share=5.0)  # does not pay
+    for memory in model.__dict__["_mtp_auto_memory"].values():  # as if the last call ended plainly, and drafting
+        memory.ended_plain, memory.cost = True, StepCost(draft_share=5.0)  # does not pay
     allocations.clear()
     out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
     assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24
@@ -418,3 +447,40 @@ def test_the_options_are_chains_up_to_d_by_the_chain_drafter(models):
     assert plan(cascaded, draft_tokens=2) == (MTPDrafter, chains[:3])
     assert plan(cascaded, draft_tokens=depth + 1) == (MTPTreeDrafter, [None, f"chain{depth + 1}"])
     assert plan(parallel) == (MTPDrafter, chains)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("draft", [{}, {"draft_tree": [2, 1, 1]}], ids=["chains", "named-tree"])
+def test_autos_plain_steps_dispatch_what_the_plain_loops_do_and_the_drafters_feed(draft, monkeypatch):
+    """A plain step inside an ``auto`` call runs the plain loop's operations, feeds the drafter the trunk's hidden
+    state (its one write) and counts the step, and reads the rows back in one sync: no step summary built of
+    tensors (which cost 16 operations a step more than the plain loop's)."""
+    model = draftable_model("cascaded").eval()
+    prompts = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    choose = AutoPolicy.next
+    monkeypatch.setattr(AutoPolicy, "next", lambda self: choose(self) and None)  # decided, then stepped plainly
+
+    def per_step(speculative) -> float:
+        model.generate(prompts, 5, speculative=speculative, **draft)  # memos (weights checked, memory) filled
+        counts = []
+        for new_tokens in (9, 17):
+            with OpCounter() as counter:
+                out = model.generate(prompts, new_tokens, speculative=speculative, **draft)
+            counts.append((counter.ops, out.stats.main_forwards))
+        (short, short_steps), (long, long_steps) = counts
+        return (long - short) / (long_steps - short_steps)
+
+    plain, auto = per_step(False), per_step("auto")
+    assert plain > 20  # the trunk's forward and the token's emission
+    assert auto - plain <= 6, f"an auto plain step dispatched {auto - plain:.1f} operations more than a plain one"

@@ -8,7 +8,7 @@ with the most steps left (a call ends when its last row does). What is not chose
 (:data:`MEASURE_EVERY`), and each call starts, and drafting resumes, with two steps of the deepest draft. **The
 guard** steps plainly for :data:`HOLD_STEPS` (doubling) when the last :data:`GUARD_WINDOW` drafting steps measured
 slower than plain steps, then and before. **Memory**: costs, acceptance and the plain rate are kept per module, host,
-batch size, device and mode (:attr:`AutoPolicy.retired`: a call after one that ended on a hold starts plainly). A
+batch size, device and mode (:attr:`AutoPolicy.retired`: a call after one that ended stepping plainly starts so). A
 call with a seed (or generator) decides without timings, so a seed gives the same samples anywhere. Every option is
 lossless. Design, constants and measurements: docs/decoding.md.
 
@@ -59,7 +59,7 @@ class AutoMemory:
     cost: StepCost
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
     # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
-    ended_on_hold: bool = False  # the last call ended while the guard held it plain (AutoPolicy.end_call)
+    ended_plain: bool = False  # the last call's last step was plain (AutoPolicy.end_call)
     plain_calls: int = 0  # calls in a row that started plainly (AutoPolicy.retired)
     plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
     streak: int = 0  # steps of the same kind (plain or drafting) in a row, across calls (MEASURE_EVERY)
@@ -118,7 +118,7 @@ class AutoPolicy:
         for counts in memory.acceptance.values():  # earlier calls' prompts differ: their counts weigh less
             scale = min(1.0, CALL_START_TRIES / max(counts[1], 1e-12))
             counts[0], counts[1] = counts[0] * scale, counts[1] * scale
-        ended_plain = self.switches.guard and self.timings and memory.ended_on_hold
+        ended_plain = self.switches.guard and self.timings and memory.ended_plain
         memory.plain_calls = memory.plain_calls + 1 if ended_plain and self._best()[0] <= self._rate(None) else 0
         self.retired = memory.plain_calls % RECHECK_EVERY != 0
 
@@ -243,8 +243,9 @@ class AutoPolicy:
                 self.check, self.window = (measured_rate(self.window), []), []
 
     def end_call(self) -> None:
-        """The call is over: the next one starts plainly when this one ended on the guard's hold."""
-        self.memory.ended_on_hold = self.hold > 0
+        """The call is over: the next starts plainly if this one ended held plain, or plain with every draft timed."""
+        measured = all(self.memory.cost.measured(option.depth) for option in self.options[1:])
+        self.memory.ended_plain = self.hold > 0 or (self.memory.last_plain and measured)
 
 
 def _count(counts: list[float], hits: float, tried: float) -> None:

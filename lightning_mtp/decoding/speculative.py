@@ -41,7 +41,7 @@ from lightning_mtp.decoding.lockstep import all_ranks, gathered_output_head, nee
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens
 from lightning_mtp.decoding.state import DecodeState, emit, new_state
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
-from lightning_mtp.decoding.step import speculative_step, verify_forward
+from lightning_mtp.decoding.step import plain_step, speculative_step
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
 from lightning_mtp.decoding.tree_policy import draft_plan
 from lightning_mtp.decoding.tree_step import tree_step
@@ -146,8 +146,8 @@ def decode(
     ``sync_ranks``: keep every process of the default group in lockstep (DeepSpeed ZeRO-3; see the module docstring).
     ``fused_step``: :func:`~lightning_mtp.decoding.step.speculative_step` compiled (greedy, fixed draft length),
     used from the second step on (the first fills the MTP modules' caches over the whole prompt).
-    ``policy``: what each step drafts (``next()`` / ``observe_step()``): :class:`DraftLength` for the chain drafter
-    (the default), :class:`FixedTree` or :class:`~lightning_mtp.decoding.auto.AutoPolicy` for the tree drafter.
+    ``policy``: what each step drafts (``next()`` / ``observe_step()``): :class:`DraftLength` (the default),
+    :class:`FixedTree`, or ``auto``'s :class:`~lightning_mtp.decoding.tree_policy.AutoSteps` (its plain steps run here).
     """
     start = time.perf_counter()
     device = prompts.device
@@ -188,20 +188,29 @@ def decode(
 
     finished = _all_done(state, sync_ranks)
     per_row = getattr(policy, "per_row", False)  # `auto`: each row's accepted drafts (-1: finished) and budget
+    done_rows, remaining = state.done.tolist(), [config.max_new_tokens - 1] * batch  # the rows, as the host knows them
     while not finished:
         if drafter is None:
-            _, _, logits = verify_forward(host, cache, state, 0)
-            token = choose_tokens(logits[:, 0], params, generator)  # (B,)
-            emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, eos)
+            plain_step(host, cache, state, params, config, generator)
             host.rollback(cache, state.newest)
             finished = _all_done(state, sync_ranks)
             continue
         # the first step's windows cover the whole prompt; later steps have one shape (MTPDrafter.fixed_window)
-        step = fused_step if fused_step is not None and state.main_forwards > 1 else speculative_step
-        step = tree_step if tree_mode else step
+        step = tree_step if tree_mode else fused_step if fused_step and state.main_forwards > 1 else speculative_step
         option = policy.next()
         shapes_measured = small_matmul.decisions()
         step_start = time.perf_counter()
+        if not option:  # a plain step (`auto`'s: None or 0 drafts) as lean as the plain loop's: no summary tensors
+            active_rows = done_rows.count(False) if per_row else int((~state.done).sum())
+            drafter.observe(draft_state, *plain_step(host, cache, state, params, config, generator))
+            host.rollback(cache, state.newest)
+            done_rows = state.done.tolist()  # the step's one host sync
+            drafter.commit(draft_state, 1)
+            finished = _all_done(state, True) if sync_ranks else all(done_rows)
+            remaining = [left - 1 for left in remaining]  # each active row advanced by one
+            rows = {"rows": [-1 if done else 0 for done in done_rows], "remaining": remaining} if per_row else {}
+            policy.observe_step(option, [], active_rows, _step_seconds(step_start, shapes_measured), **rows)
+            continue
         summary = step(host, drafter, draft_state, cache, state, option, draft_params, config, generator)
         if sync_ranks:  # one all-reduce pair per step; finished ranks keep stepping (padding) until every rank is done
             summary = all_ranks(summary.long())
@@ -210,11 +219,11 @@ def decode(
                                  config.max_new_tokens - state.emitted])
         finished, moved, active_rows, *reached = summary.tolist()  # the step's one host sync
         drafter.commit(draft_state, int(moved))
-        seconds = time.perf_counter() - step_start
-        if small_matmul.decisions() != shapes_measured:
-            seconds = math.nan  # the step timed new matrix-product shapes (once per process): not its own cost
-        rows = {"rows": reached[-2 * batch : -batch], "remaining": reached[-batch:]} if per_row else {}
-        policy.observe_step(option, reached[: -2 * batch] if per_row else reached, int(active_rows), seconds, **rows)
+        rows = {}
+        if per_row:
+            reached, accepted, remaining = reached[: -2 * batch], reached[-2 * batch : -batch], reached[-batch:]
+            done_rows, rows = [a < 0 for a in accepted], {"rows": accepted, "remaining": remaining}
+        policy.observe_step(option, reached, int(active_rows), _step_seconds(step_start, shapes_measured), **rows)
     if hasattr(policy, "end_call"):
         policy.end_call()
 
@@ -222,6 +231,11 @@ def decode(
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     return finish(state, prompts, padding_id(config), max_drafts, batch, elapsed)
+
+
+def _step_seconds(start: float, shapes_measured: int) -> float:
+    """Seconds since ``start``; nan when the step timed new matrix-product shapes (once per process: not its cost)."""
+    return time.perf_counter() - start if small_matmul.decisions() == shapes_measured else math.nan
 
 
 def _all_done(state: DecodeState, sync_ranks: bool) -> bool:
@@ -248,15 +262,10 @@ def finish(state: DecodeState, inputs: Tensor, pad: int, max_drafts: int, batch:
     new_tokens = torch.where(valid, state.tokens.gather(1, index), pad)  # (B, N)
     sequences = torch.cat([inputs, new_tokens], dim=1)  # (B, L + N)
     stats = DecodeStats(
-        batch_size=batch,
-        max_drafts=max_drafts,
-        main_forwards=state.main_forwards,
-        row_forwards=state.row_forwards.tolist(),
-        new_tokens=state.emitted.tolist(),
-        drafted_per_depth=state.drafted[:max_drafts].tolist(),
-        accepted_per_depth=state.accepted[:max_drafts].tolist(),
-        accepted_length_histogram=state.histogram.tolist() if max_drafts else [],
-        elapsed_s=elapsed,
+        batch_size=batch, max_drafts=max_drafts, main_forwards=state.main_forwards,
+        row_forwards=state.row_forwards.tolist(), new_tokens=state.emitted.tolist(),
+        drafted_per_depth=state.drafted[:max_drafts].tolist(), accepted_per_depth=state.accepted[:max_drafts].tolist(),
+        accepted_length_histogram=state.histogram.tolist() if max_drafts else [], elapsed_s=elapsed,
     )
     return GenerateOutput(sequences, new_tokens, state.emitted.clone(), state.prompt_lengths.clone(), stats)
 

@@ -31,7 +31,7 @@ class DecodeStats:
     accepted_per_depth: list[int]
     """Drafts accepted at depth k (index k-1), summed over rows and steps."""
     accepted_length_histogram: list[int]
-    """How many row-steps accepted 0, 1, ..., max_drafts drafts."""
+    """How many drafting row-steps accepted 0, 1, ..., max_drafts drafts (``auto``'s plain steps draft nothing)."""
     elapsed_s: float
     """Wall time of the call (device synchronised)."""
 

@@ -29,15 +29,14 @@ def verify_forward(host: DecodingHost, cache: Any, state: DecodeState, k: int) -
     return hidden, positions, host.main_logits(hidden)
 
 
-def plain_step(host: DecodingHost, drafter: Any, draft_state: Any, cache: Any, state: DecodeState,
-               config: GenerationConfig, generator: Optional[torch.Generator] = None) -> Tensor:
-    """A plain step inside a speculative call: the trunk over each row's newest token, the next token chosen from p
-    as plain decoding does, and the drafter shown the hidden state (it drafts from it later). Returns the tokens
-    each row advanced (B,); the caller rolls the cache."""
+def plain_step(host: DecodingHost, cache: Any, state: DecodeState, params: SamplingParams, config: GenerationConfig,
+               generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """The trunk over each row's newest token, the next token chosen from p and emitted; returns the hidden states
+    (B, 1, H) and positions (B, 1) (for a drafter). The caller rolls the cache back."""
     hidden, positions, logits = verify_forward(host, cache, state, 0)
-    drafter.observe(draft_state, hidden, positions)
-    token = choose_tokens(logits[:, 0], SamplingParams(config.temperature, config.top_k, config.top_p), generator)
-    return emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+    token = choose_tokens(logits[:, 0], params, generator)  # (B,)
+    emit(state, token.unsqueeze(1), torch.ones_like(token), config.max_new_tokens, config.eos_token_id)
+    return hidden, positions
 
 
 def accept_typical(
@@ -88,11 +87,6 @@ def speculative_step(
     windows), active rows, accepted drafts per depth (adaptive draft length)].
     """
     active = ~state.done
-    if num_drafts == 0:  # a plain step inside a speculative call (`auto`, an adaptive length): nothing to verify
-        advanced = plain_step(host, drafter, draft_state, cache, state, config, generator)
-        state.histogram[0] += active.sum()
-        host.rollback(cache, state.newest)
-        return torch.stack([state.done.all().long(), advanced.max(), active.sum()])
     drafts = drafter.draft(draft_state, state.tokens, state.newest, num_drafts, draft_params, generator,
                            config.draft_confidence_threshold)
     hidden, positions, logits = verify_forward(host, cache, state, drafts.tokens.shape[1])

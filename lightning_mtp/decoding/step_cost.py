@@ -118,6 +118,10 @@ class StepCost:
         self.timed += 1
         self._fitted = None
 
+    def measured(self, drafts: int) -> bool:
+        """Whether steps of ``drafts`` drafting calls are timed often enough for their median to count."""
+        return len(self.drafting_steps.get(drafts, ())) >= MIN_SAMPLES
+
     @property
     def plain_timed(self) -> bool:
         """Whether enough plain steps are timed for the costs to be in seconds."""

@@ -113,8 +113,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     dtype = module.mtp_output_head().weight.dtype
     key = (type(host).__name__, batch, str(device), str(dtype), config.sampling, timings,
            tuple(o and o.describe() for o in options))
-    share = draft_cost_share(module)
-    build = lambda: AutoMemory.fresh(share, learn_costs=timings)  # noqa: E731
+    build = lambda: AutoMemory.fresh(draft_cost_share(module), learn_costs=timings)  # noqa: E731  (weights read once)
     # A seeded sampling call starts from nothing earlier calls learned either, so that its samples depend on the
     # seed alone.
     memory = memory_for(module, key, build) if SWITCHES.memory and timings else build()

@@ -4,8 +4,7 @@ The trunk scores ``[newest token, N draft nodes]`` of every row with a tree atte
 ``newest + depth(i)``, written at cache slot ``newest + i``, seeing the committed prefix and its ancestors). After
 acceptance (:func:`~lightning_mtp.kernels.verify_tree`) the accepted path's keys and values are moved to their real
 positions (``TreeHost.keep_path``), the trunk's hidden states along the path go to the drafter, and the accepted tokens
-are emitted as in chain decoding. ``option=None`` is a plain step (one token per row, no drafting) with the same
-bookkeeping, so :mod:`lightning_mtp.decoding.auto` can mix plain and drafting steps in one call.
+are emitted as in chain decoding. (``auto``'s plain steps run in the decoding loop: ``step.plain_step``.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from lightning_mtp.decoding.drafting import Drafts
 from lightning_mtp.decoding.host import TreeHost
 from lightning_mtp.decoding.sampling import SamplingParams, logits_to_probs
 from lightning_mtp.decoding.state import DecodeState, emit, record_acceptance
-from lightning_mtp.decoding.step import accept, plain_step
+from lightning_mtp.decoding.step import accept
 from lightning_mtp.decoding.tree import DraftTree, TreeShape, ancestors, tree_attention_mask
 from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter, TreeDraftState
 from lightning_mtp.kernels import verify_tree
@@ -71,12 +70,12 @@ def tree_step(
     draft_state: TreeDraftState,
     cache: Any,
     state: DecodeState,
-    option: Optional[TreeShape],
+    option: TreeShape,
     draft_params: SamplingParams,
     config: GenerationConfig,
     generator: Optional[torch.Generator] = None,
 ) -> Tensor:
-    """Draft a tree of shape ``option`` (``None``: a plain step), verify, accept, emit, move the caches.
+    """Draft a tree of shape ``option``, verify, accept, emit, move the caches.
 
     Returns the step's summary (one host sync): [all rows done, most tokens a row advanced, active rows, accepted
     drafts per depth (``drafter.max_drafts`` entries)].
@@ -84,28 +83,22 @@ def tree_step(
     active = ~state.done
     newest = state.newest.clone()
     rows = torch.arange(newest.shape[0], device=newest.device).unsqueeze(1)
-    max_depth = drafter.max_drafts
-    if option is None:
-        advanced = plain_step(host, drafter, draft_state, cache, state, config, generator)
-        accepted = torch.zeros(max_depth, dtype=torch.long, device=newest.device)
+    depth = option.depth
+    tree = drafter.draft(draft_state, state.tokens, newest, option, draft_params, generator)
+    steps = torch.arange(depth + 1, device=newest.device)
+    if option.is_chain:  # a chain is causal: the ordinary verify forward, its accepted prefix already in place
+        hidden = host.forward(tree.tokens.clamp_min(0), newest.unsqueeze(1) + steps, cache)  # (B, k+1, H)
+        state.main_forwards += 1
+        verdict = accept_chain(tree, host.main_logits(hidden), config, generator)
     else:
-        depth = option.depth
-        tree = drafter.draft(draft_state, state.tokens, newest, option, draft_params, generator)
-        steps = torch.arange(depth + 1, device=newest.device)
-        if option.is_chain:  # a chain is causal: the ordinary verify forward, its accepted prefix already in place
-            hidden = host.forward(tree.tokens.clamp_min(0), newest.unsqueeze(1) + steps, cache)  # (B, k+1, H)
-            state.main_forwards += 1
-            verdict = accept_chain(tree, host.main_logits(hidden), config, generator)
-        else:
-            hidden = verify_tree_forward(host, cache, state, tree, depth)  # (B, T, H)
-            verdict = accept_tree(tree, host.main_logits(hidden), config, depth, generator)
-            host.keep_path(cache, newest.unsqueeze(1) + verdict.path, newest.unsqueeze(1) + steps)
-        drafter.observe(draft_state, hidden[rows, verdict.path], newest.unsqueeze(1) + steps)
-        drafted = torch.zeros(newest.shape[0], depth, dtype=torch.long, device=newest.device)
-        accepted = record_acceptance(state, drafted, verdict.num_accepted, active)
-        accepted = torch.cat([accepted, accepted.new_zeros(max_depth - depth)])
-        advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens,
-                        config.eos_token_id)
+        hidden = verify_tree_forward(host, cache, state, tree, depth)  # (B, T, H)
+        verdict = accept_tree(tree, host.main_logits(hidden), config, depth, generator)
+        host.keep_path(cache, newest.unsqueeze(1) + verdict.path, newest.unsqueeze(1) + steps)
+    drafter.observe(draft_state, hidden[rows, verdict.path], newest.unsqueeze(1) + steps)
+    drafted = torch.zeros(newest.shape[0], depth, dtype=torch.long, device=newest.device)
+    accepted = record_acceptance(state, drafted, verdict.num_accepted, active)
+    accepted = torch.cat([accepted, accepted.new_zeros(drafter.max_drafts - depth)])
+    advanced = emit(state, verdict.output_tokens, verdict.num_accepted + 1, config.max_new_tokens, config.eos_token_id)
     host.rollback(cache, state.newest)
     return torch.cat([state.done.all().view(1), advanced.max().view(1), active.sum().view(1), accepted])
 
