@@ -59,7 +59,7 @@ class AutoMemory:
     cost: StepCost
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
     # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
-    ended_plain: bool = False  # the last call's last step was plain (AutoPolicy.end_call)
+    ended_plain: bool = False  # the last call ended held plain, or plain with every draft timed (AutoPolicy.end_call)
     plain_calls: int = 0  # calls in a row that started plainly (AutoPolicy.retired)
     plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
     streak: int = 0  # steps of the same kind (plain or drafting) in a row, across calls (MEASURE_EVERY)

@@ -103,7 +103,7 @@ class StepCost:
         (``track_speed=False``: learned as measured, the machine's drift ignored)."""
         if not self.learn or rows <= 0 or not seconds > 0:
             return
-        self.parameters()
+        self.parameters()  # refreshes self._medians (memoised with the parameters until the next observation)
         plain, points = self._medians  # the speed now: the last steps of any kinds, each over its own kind's median
         if track_speed and self.plain_timed and (drafts == 0 or drafts in points):
             extra = TOKEN_SHARE * plain * rows * (tokens - 1 - drafts)
