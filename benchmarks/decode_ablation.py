@@ -6,7 +6,8 @@ The policy (:mod:`lightning_mtp.decoding.auto`) has six mechanisms, each a field
 - ``fit``: the step-cost model fitted online to timed steps (off: the prior from the weights' bytes alone);
 - ``speed``: each timed step learned over the machine's current speed (the median of measured over predicted time of
   the last steps), so options measured while the machine was slower are not priced dear after (off: as measured);
-- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower;
+- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower, and calls
+  retired to the plain loop after calls whose drafting measured slower (or that ended plain by rating);
 - ``memory``: costs and acceptance kept across calls (off: every call starts from the prior);
 - ``explore``: while stepping plainly, each chain measured in turn, and the deepest chain's two steps whenever
   drafting resumes (off: the measurements draft the best-rated chain, so deeper depths are seen only when chosen);

@@ -272,6 +272,24 @@ def test_a_rows_counts_fade_while_it_steps_plainly():
     assert faded - low > 0.3 * (shared - low)  # 64 plain steps keep 0.98^64 = 27% of the row's counts
 
 
+def test_the_guard_measures_a_batch_by_the_progress_of_its_last_row(switches):
+    """Rated by the pooled acceptance, a batch whose one row never accepts drafts keeps drafting, and the tokens the
+    other rows' drafts emit (3.4 per row and step, pooled) make drafting measure faster than plain. The call ends
+    when that row has emitted its budget one token per step, so the guard measures a step by how far it brought the
+    row with the most tokens left: drafting measures slower, and it holds the call plain."""
+    accept, budget = [0.95] * 7 + [0.0], 192
+    switches.rows = False  # rated by the acceptance pooled over the rows
+    machine = Machine(per_draft=0.3, seed=4)
+    plain = decode_batch(None, machine, accept, budget)
+    policy = policy_for(share=0.3, rows=8)
+    guarded = decode_batch(policy, machine, accept, budget)
+    switches.guard = False
+    unguarded = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
+    assert unguarded > 1.5 * plain  # drafting all along: 191 steps of 2.2 seconds against 1.1
+    # (the pooled measure held too, twice, but drafted 1.42 times as long as plain)
+    assert policy.holds >= 1 and guarded < 1.3 * plain, (policy.holds, guarded, plain)
+
+
 def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():
     accept, budget = [0.95] * 8, 96
     machine = Machine(per_draft=0.3, seed=2)
@@ -294,17 +312,64 @@ def test_the_guard_holds_plain_when_drafting_measures_slower(switches):
     assert rate > 1.3 * unguarded and unguarded_choices["plain"] < 0.2 * 200
 
 
-def test_a_call_ending_on_a_hold_starts_the_next_plainly_and_one_in_eight_rechecks(switches):
+def test_calls_whose_drafting_measured_slower_retire_the_next_ones_twice_as_many_each_time(switches):
+    """Drafting is three plain steps dear and the prior says it pays: the guard held the call plain, and the call went
+    on to end drafting. Its drafting steps measured slower than its plain ones over the call, so the next call starts
+    plainly all the same, whatever the rating says, and decodes plainly to its end. Each further call that decides
+    afresh and measures the same retires twice as many, at most RECHECK_EVERY - 1: one wrong verdict (a hard prompt)
+    costs one call."""
     switches.fit = False
     memory = AutoMemory.fresh(0.05)
     machine = Machine(per_draft=3.0, accept=0.8)
     policy = policy_for(share=0.05, memory=memory)
-    while policy.hold == 0:  # until the guard holds the call plain; the call ends there
+    while policy.holds == 0:  # until the guard holds the call plain
+        machine.step(policy, policy.next())
+    while policy.hold > 0 or policy.check is not None or memory.last_plain:  # then until it drafts again
         machine.step(policy, policy.next())
     policy.end_call()
-    memory.cost = StepCost(draft_share=5.0)  # what the fit would have learned: drafting does not pay
-    retired = [policy_for(memory=memory).retired for _ in range(RECHECK_EVERY)]
-    assert retired == [True] * (RECHECK_EVERY - 1) + [False]
+    retired = []
+    while len(retired) < 24:
+        later = policy_for(memory=memory)
+        assert later._best()[0] > later._rate(None)  # the rating alone would draft
+        retired.append(later.retired)
+        if not later.retired:  # it decides afresh, and its drafting measures slower again
+            run(later, machine, 200)
+        later.end_call()  # a call that started plainly ran no step of the policy
+    expected = [True, False, True, True, False] + [True] * 4 + [False] + ([True] * (RECHECK_EVERY - 1) + [False]) * 2
+    assert retired == expected[:24]
+
+
+def test_a_call_whose_drafting_measured_slower_only_for_a_spell_retires_nothing():
+    """A spell in which each drafting call costs twenty times as much makes the guard hold the call plain; over the
+    whole call drafting still measured faster than its plain steps, so the next call decides afresh (retiring on any
+    hold, one noisy window of a batch's slowest row would retire calls where drafting pays)."""
+    memory = AutoMemory.fresh(0.2)
+    machine, policy = Machine(per_draft=0.1, accept=0.9), policy_for(memory=memory)
+    run(policy, machine, 100)
+    machine.per_draft = 2.0
+    while policy.holds == 0:
+        machine.step(policy, policy.next())
+    machine.per_draft = 0.1
+    run(policy, machine, 300)
+    policy.end_call()
+    assert memory.ended_plain is None and not policy_for(memory=memory).retired
+
+
+def test_a_call_whose_drafting_measured_slower_with_its_catching_up_retires_the_next():
+    """Each return to drafting after plain steps catches the MTP modules up on the tokens they missed, in a step the
+    cost model and the guard do not time (it is not the draft's own cost): each timed draft measured twice as fast as
+    a plain step and the guard never held, yet over the call, drafting in short stretches emitted 0.92 tokens a second
+    against plain's 1. The call's sums count every step, so the next call starts plainly."""
+    memory = AutoMemory.fresh(0.2)
+    policy, chain, left = policy_for(memory=memory), TreeShape.chain(2), 1000
+    for _ in range(12):
+        for option, seconds in [(None, 1.0)] * 5 + [(chain, 5.0), (chain, 1.5)]:  # every draft accepted
+            policy.next()
+            accepted = 0 if option is None else 2
+            left -= 1 + accepted
+            policy.observe(option, 1, [1] * accepted, seconds, rows=[accepted], remaining=[left])
+    policy.end_call()
+    assert policy.holds == 0 and memory.ended_plain == "slower" and policy_for(memory=memory).retired
 
 
 def test_a_call_ending_plainly_by_rating_retires_the_next_only_once_every_draft_is_timed(switches):
@@ -380,7 +445,7 @@ def test_a_call_starting_plainly_never_touches_the_drafter(models, monkeypatch):
     model.generate(input_ids, 24, attention_mask=mask, speculative="auto")  # sets up the memory
     assert allocations  # the call drafted: the counting reaches the drafter auto uses
     for memory in model.__dict__["_mtp_auto_memory"].values():  # as if the last call ended plainly, and drafting
-        memory.ended_plain, memory.cost = True, StepCost(draft_share=5.0)  # does not pay
+        memory.ended_plain, memory.retire_left, memory.cost = "rated", 1, StepCost(draft_share=5.0)  # does not pay
     allocations.clear()
     out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
     assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24
@@ -427,9 +492,10 @@ def test_hold_steps_is_what_the_guard_waits(switches):
 
 
 
-def test_the_options_are_chains_up_to_d_by_the_chain_drafter(models):
-    """Cascaded modules and parallel heads: chains of 1..D by the chain drafter; ``draft_tokens`` caps the chains,
-    and a chain longer than D makes auto choose between plain steps and that chain (the tree drafter)."""
+def test_the_options_are_chains_up_to_d_plus_1_by_the_chain_drafter(models):
+    """Cascaded modules: chains of 1..D+1 by the chain drafter (D + 1: the last module re-applied); parallel heads:
+    chains of 1..D. ``draft_tokens`` caps the chains, and a chain longer than that makes auto choose between plain
+    steps and that chain (the tree drafter beyond D + 1)."""
     from lightning_mtp.decoding.drafting import MTPDrafter
     from lightning_mtp.decoding.host import decoding_host
     from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
@@ -438,15 +504,15 @@ def test_the_options_are_chains_up_to_d_by_the_chain_drafter(models):
     def plan(model, **settings):
         config = GenerationConfig(max_new_tokens=8, **settings)
         drafter, steps = draft_plan(model, decoding_host(model), config, 1, torch.device("cpu"), False)
-        return type(drafter), [o and o.describe() for o in steps.policy.options]
+        return type(drafter), drafter.max_drafts, [o and o.describe() for o in steps.policy.options]
 
     cascaded, parallel = models["cascaded"], draftable_model("parallel")
     depth = cascaded.mtp_config.depth
-    chains = [None] + [f"chain{k}" for k in range(1, depth + 1)]
-    assert plan(cascaded) == (MTPDrafter, chains)
-    assert plan(cascaded, draft_tokens=2) == (MTPDrafter, chains[:3])
-    assert plan(cascaded, draft_tokens=depth + 1) == (MTPTreeDrafter, [None, f"chain{depth + 1}"])
-    assert plan(parallel) == (MTPDrafter, chains)
+    chains = [None] + [f"chain{k}" for k in range(1, depth + 2)]
+    assert plan(cascaded) == (MTPDrafter, depth + 1, chains)
+    assert plan(cascaded, draft_tokens=2) == (MTPDrafter, 2, chains[:3])
+    assert plan(cascaded, draft_tokens=depth + 2) == (MTPTreeDrafter, depth + 2, [None, f"chain{depth + 2}"])
+    assert plan(parallel) == (MTPDrafter, depth, chains[:-1])
 
 
 class OpCounter(TorchDispatchMode):

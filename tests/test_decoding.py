@@ -208,8 +208,8 @@ def test_sequences_decode_to_prompt_then_completion(make_tiny_model, padding):
 class RecordingDrafter(MTPDrafter):
     """Records the sequence buffer and each row's newest position right after every draft."""
 
-    def __init__(self, module):
-        super().__init__(module)
+    def __init__(self, module, max_depth=None):
+        super().__init__(module, max_depth)
         self.records = []
 
     def draft(self, state, tokens, newest, num_drafts, params, generator=None, confidence_threshold=None):
@@ -248,6 +248,32 @@ def test_drafts_equal_teacher_forced_mtp_predictions(models, architecture, polic
                 assert int(logits.argmax()) == int(drafts[row, k - 1]), (row, n, k)
                 checked += 1
     assert checked > 20
+
+
+def test_a_chain_of_d_plus_1_re_applies_the_last_module(models):
+    """The chain drafter's depth D + 1 (cascaded modules: the last module re-applied on its own output, with a
+    cache of its own) drafts what the uncached reference does at every depth, and its decoding equals plain greedy
+    decoding with drafts of depth D + 1 accepted. Parallel heads, which predict fixed offsets, refuse it."""
+    from test_tree_decoding import reference_children
+
+    model = models["cascaded"]
+    D = model.mtp_config.depth
+    input_ids, mask, rows = ragged_prompts(seed=3, lengths=(7, 4))
+    drafter = RecordingDrafter(model, max_depth=D + 1)
+    prompts, lengths = prepare_prompts(input_ids, mask, VOCAB, torch.device("cpu"))
+    out = decode(decoding_host(model), drafter, prompts, lengths, GenerationConfig(max_new_tokens=30))
+    assert rows_of(out) == [alone(model, p, 30) for p in rows]
+    assert len(out.stats.accepted_per_depth) == D + 1 and out.stats.accepted_per_depth[D] > 0
+    checked = 0
+    for tokens, newest, drafts in drafter.records:
+        for row in range(tokens.shape[0]):
+            n = int(newest[row])
+            for k in range(1, D + 2):  # d_k after the committed tokens and d_1..d_(k-1)
+                assert reference_children(model, tokens[row, : n + k], n, k, 1) == [int(drafts[row, k - 1])]
+                checked += 1
+    assert checked == len(drafter.records) * 2 * (D + 1) and len(drafter.records) > 5
+    with pytest.raises(ValueError, match="at most D = "):
+        MTPDrafter(models["parallel"], max_depth=D + 1)
 
 
 # ----------------------------------------------------------------------------------------------- batches and EOS

@@ -206,6 +206,19 @@ def test_plain_steps_between_chains_equal_plain_greedy(models, architecture):
     assert all(out.stats.accepted_per_depth) and out.stats.tau > 1.3  # drafts of every depth really accepted
 
 
+def test_the_chain_drafters_depth_d_plus_1_keeps_the_sampling_distribution():
+    """D = 1 and the chain drafter's chain of 2 (the module re-applied on its own output: ``auto``'s deepest chain):
+    the first step's second draft is the third token, whose marginal stays the model's."""
+    from lightning_mtp.decoding.drafting import MTPDrafter
+
+    model = draftable_model("cascaded", depth=1)
+    prompt = torch.tensor([[5, 2, 9, 11, 3]])
+    out = decode_with(model, MTPDrafter(model, max_depth=2), None, prompt.expand(12288, -1), None, 3,
+                      temperature=1.0, top_k=8, generator=torch.Generator().manual_seed(4))
+    assert out.stats.drafted_per_depth[1] > 0 and out.stats.accepted_per_depth[1] > 0.05 * 12288
+    check_first_three_tokens(model, prompt, out.new_tokens, "chain of D + 1")
+
+
 def test_plain_steps_between_chains_keep_the_sampling_distribution():
     """A plain step inside a speculative call samples from p itself: the first three tokens' joint distribution
     stays the model's across plain steps and chains of each length."""

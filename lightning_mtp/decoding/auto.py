@@ -1,14 +1,15 @@
 """``speculative="auto"``: each step takes the draft with the most expected tokens per second, or none.
 
-Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D; or a plain step and a named
-tree or chain longer than D) by expected tokens over predicted seconds
+Before each step :class:`AutoPolicy` rates every option (a plain step and chains of 1..D, or D + 1; or a plain step
+and a named tree or longer chain) by expected tokens over predicted seconds
 (:class:`~lightning_mtp.decoding.step_cost.StepCost`) and takes the best. Tokens come from each row's acceptance
 counts in the call over a shared running estimate of P(depth d accepted | depth d-1 was); a batch is rated by the row
 with the most steps left (a call ends when its last row does). What is not chosen is still measured
 (:data:`MEASURE_EVERY`), and each call starts, and drafting resumes, with two steps of the deepest draft. **The
 guard** steps plainly for :data:`HOLD_STEPS` (doubling) when the last :data:`GUARD_WINDOW` drafting steps measured
-slower than plain steps, then and before. **Memory**: costs, acceptance and the plain rate are kept per module, host,
-batch size, device and mode (:attr:`AutoPolicy.retired`: a call after one that ended stepping plainly starts so). A
+slower than plain steps, then and before (a step is worth how far it brought the row with the most tokens left).
+**Memory**: costs, acceptance and the plain rate are kept per module, host, batch size, device and mode; a call after
+one whose drafting measured slower than its plain steps, or that ended stepping plainly, starts so (``retired``). A
 call with a seed (or generator) decides without timings, so a seed gives the same samples anywhere. Every option is
 lossless. Design, constants and measurements: docs/decoding.md.
 
@@ -44,7 +45,8 @@ GUARD_WINDOW = 16
 HOLD_STEPS = 32
 """Plain steps the guard takes when drafting measured slower than plain (doubled at each further hold of a call)."""
 RECHECK_EVERY = 8
-"""Calls that start plainly (see :attr:`AutoPolicy.retired`) decide afresh once in this many."""
+"""Calls that start plainly (see :attr:`AutoPolicy.retired`) decide afresh once in this many at most: the first call
+that ends plain retires one call, each further one in a row twice as many."""
 
 
 def candidate_options(max_drafts: int) -> list[Optional[TreeShape]]:
@@ -59,8 +61,9 @@ class AutoMemory:
     cost: StepCost
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
     # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
-    ended_plain: bool = False  # the last call ended held plain, or plain with every draft timed (AutoPolicy.end_call)
-    plain_calls: int = 0  # calls in a row that started plainly (AutoPolicy.retired)
+    ended_plain: Optional[str] = None  # how the last call ended: "slower" or "rated" (AutoPolicy.end_call), or None
+    verdicts: int = 0  # calls in a row that ended plain (their drafting slower, or plain by rating)
+    retire_left: int = 0  # calls still to start plainly (AutoPolicy.retired; RECHECK_EVERY)
     plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
     streak: int = 0  # steps of the same kind (plain or drafting) in a row, across calls (MEASURE_EVERY)
     last_plain: bool = False  # whether the last step was plain
@@ -104,6 +107,7 @@ class AutoPolicy:
         self.window: list[tuple[float, float]] = []  # (tokens, seconds) of the last drafting steps
         self.check: Optional[tuple[float, list]] = None  # (drafting rate, plain steps since) while the guard checks
         self.holds = 0  # times the guard held this call plain (each hold twice as long as the one before)
+        self.totals = ([0.0, 0.0, 0], [0.0, 0.0, 0])  # (progress, seconds, steps) of the call's drafting, plain steps
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
         self.probe = 0  # drafting steps still to take to measure drafting (the first one only catches up)
         self.probing: Optional[TreeShape] = None  # the draft they take
@@ -118,9 +122,10 @@ class AutoPolicy:
         for counts in memory.acceptance.values():  # earlier calls' prompts differ: their counts weigh less
             scale = min(1.0, CALL_START_TRIES / max(counts[1], 1e-12))
             counts[0], counts[1] = counts[0] * scale, counts[1] * scale
-        ended_plain = self.switches.guard and self.timings and memory.ended_plain
-        memory.plain_calls = memory.plain_calls + 1 if ended_plain and self._best()[0] <= self._rate(None) else 0
-        self.retired = memory.plain_calls % RECHECK_EVERY != 0
+        ended_plain = memory.ended_plain if self.switches.guard and self.timings else None
+        plain = ended_plain == "slower" or (ended_plain == "rated" and self._best()[0] <= self._rate(None))
+        self.retired = plain and memory.retire_left > 0
+        memory.retire_left -= self.retired
 
     # ----------------------------------------------------------------- estimates
     def acceptance(self, depth: int, kind: str = "chain") -> float:
@@ -154,7 +159,7 @@ class AutoPolicy:
         tokens, drafts = (1, 0) if option is None else (option.num_nodes + 1, option.depth)
         seconds = self.memory.cost.seconds(max(len(self.rows), 1), tokens, drafts)
         expected = {row: self.expected_tokens(option, row) for row in self.rows}
-        if not self.remaining:
+        if not self.remaining or not self.switches.rows:
             return (sum(expected.values()) if expected else 1.0) / seconds
         steps_left = max(self.remaining[row] / expected[row] for row in self.remaining)
         return sum(self.remaining.values()) / (steps_left * seconds)
@@ -208,17 +213,26 @@ class AutoPolicy:
         for depth, hits in enumerate(reached, start=1):  # only what is tried is forgotten: an option left alone
             _count(self.memory.acceptance.setdefault((depth, _kind(option)), [0.0, 0.0]), hits, tried)  # keeps its
             tried = hits  # evidence
+        longest = max(self.remaining.values(), default=None)  # the most tokens a row had left (once reported)
         for row, accepted in enumerate(rows or []):
             if accepted < 0:
                 self.rows.pop(row, None)
                 self.remaining.pop(row, None)
-            elif self.switches.rows:  # a row's counts fade at every step: left plain, it returns to the prior
-                self.remaining[row] = remaining[row]  # >= 1: the row has not finished
+                continue
+            self.remaining[row] = remaining[row]  # >= 1: the row has not finished
+            if self.switches.rows:  # a row's counts fade at every step: left plain, it returns to the prior
                 tried = min(accepted + 1, len(reached))  # the depths the row tried (none in a plain step)
                 for depth in range(1, max(tried, len(self.rows[row])) + 1):
                     _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(tried >= depth <= accepted),
                            float(tried >= depth))
+        # the guard's worth of a step: a call ends when its last row does, so how far it brought the row with the most
+        # tokens left (for every row; until the loop reports the rows' budgets, the tokens the rows emitted)
+        progress = active_rows + sum(reached) if longest is None or rows is None else (
+            active_rows * (longest - max(self.remaining.values(), default=0)))
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
+        if seconds > 0:  # the call's progress and seconds, drafting and plain (end_call)
+            totals = self.totals[option is None]
+            totals[0], totals[1], totals[2] = totals[0] + progress, totals[1] + seconds, totals[2] + 1
         if not self.timings or self.steps == 1 or catching_up or not seconds > 0:
             # untimed: a seeded call, its first step, a draft after plain steps (it catches the modules up), a nan time
             return
@@ -226,26 +240,34 @@ class AutoPolicy:
             tokens = 1 if option is None else option.num_nodes + 1
             self.memory.cost.observe(active_rows, tokens, 0 if option is None else option.depth, seconds,
                                     track_speed=self.switches.speed)
-        emitted = active_rows + sum(reached)  # a bonus token per row, and every accepted draft
         if option is None:
-            self.memory.plain_steps = (self.memory.plain_steps + [(emitted, seconds)])[-GUARD_WINDOW:]
+            self.memory.plain_steps = (self.memory.plain_steps + [(progress, seconds)])[-GUARD_WINDOW:]
             if self.check is not None:  # the guard holds only if plain steps measured now confirm it
-                self.check[1].append((emitted, seconds))
+                self.check[1].append((progress, seconds))
                 if len(self.check[1]) == MIN_SAMPLES:
                     if measured_rate(self.check[1]) > self.check[0]:  # each hold twice as long as the last
                         self.hold, self.holds = HOLD_STEPS * 2 ** self.holds, self.holds + 1
                     self.check = None
             return
-        self.window = (self.window + [(emitted, seconds)])[-GUARD_WINDOW:]
+        self.window = (self.window + [(progress, seconds)])[-GUARD_WINDOW:]
         plain = measured_rate(self.memory.plain_steps) if len(self.memory.plain_steps) >= MIN_SAMPLES else None
         if self.switches.guard and plain is not None and len(self.window) == GUARD_WINDOW:
             if measured_rate(self.window) < plain:  # slower than plain was: plain steps now decide (a machine drifts)
                 self.check, self.window = (measured_rate(self.window), []), []
 
     def end_call(self) -> None:
-        """The call is over: the next starts plainly if this one ended held plain, or plain with every draft timed."""
+        """The call is over: the next starts plainly if its drafting steps (at least :data:`GUARD_WINDOW`, catching up
+        and measuring included) measured slower than its plain steps, progress over seconds summed over the call; or
+        if it ended plain by rating with every draft timed (a call that started plainly changes nothing)."""
+        if self.retired:
+            return
+        (drafted, drafting, drafts), (stepped, plain, _) = self.totals
+        slower = drafts >= GUARD_WINDOW and plain > 0 and drafted / drafting < stepped / plain
         measured = all(self.memory.cost.measured(option.depth) for option in self.options[1:])
-        self.memory.ended_plain = self.hold > 0 or (self.memory.last_plain and measured)
+        memory = self.memory
+        memory.ended_plain = "slower" if slower else "rated" if memory.last_plain and measured else None
+        memory.verdicts = memory.verdicts + 1 if memory.ended_plain else 0  # each retires twice as many calls
+        memory.retire_left = min(2 ** (memory.verdicts - 1), RECHECK_EVERY - 1) if memory.ended_plain else 0
 
 
 def _count(counts: list[float], hits: float, tried: float) -> None:

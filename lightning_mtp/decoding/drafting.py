@@ -71,16 +71,8 @@ class Drafter(Protocol):
     def observe(self, state: Any, hidden: Tensor, positions: Tensor) -> None:
         """The trunk's hidden states (B, T, H) at ``positions`` (B, T) (prefill and every verify forward)."""
 
-    def draft(
-        self,
-        state: Any,
-        tokens: Tensor,
-        newest: Tensor,
-        num_drafts: int,
-        params: SamplingParams,
-        generator: Optional[torch.Generator] = None,
-        confidence_threshold: Optional[float] = None,
-    ) -> Drafts:
+    def draft(self, state: Any, tokens: Tensor, newest: Tensor, num_drafts: int, params: SamplingParams,
+              generator: Optional[torch.Generator] = None, confidence_threshold: Optional[float] = None) -> Drafts:
         """Draft up to ``num_drafts`` tokens after position ``newest`` (B,) and write them into the sequence buffer
         ``tokens`` (B, L) at ``newest + 1 ..``; ``params.greedy`` drafts the argmax, else samples from ``q``."""
 
@@ -109,21 +101,27 @@ class MTPDrafter:
 
     Sampling drafts come from ``q_k = logits_to_probs(logits_k / mtp_draft_temperatures[k-1], temperature, top_k,
     top_p)``: the same processing as the target, plus the per-depth draft temperature on the draft logits only.
+    ``max_depth = D + 1`` (cascaded modules): depth D + 1 re-applies the last module on its own output, with a cache
+    of its own (the tree drafter's drafts beyond D, as one more depth of the chain).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, max_depth: Optional[int] = None) -> None:
         self.module = module
         self.modules = module.require_mtp_modules()
-        self.step_modules = list(self.modules)  # what draft() calls: these, or compiled (GenerationConfig.compile)
-        # When set (compiled decoding), every module recomputes this many positions after a drafting step, whatever
-        # the rows advanced: one shape per step, so one graph. It must be >= D + 1, the most a step can need.
-        self.fixed_window: Optional[int] = None
         self.cascaded = module.mtp_config.architecture == "cascaded"
-        self.max_drafts = len(self.modules)
+        self.max_drafts = max_depth or len(self.modules)
+        if self.max_drafts > (most := len(self.modules) + self.cascaded):
+            raise ValueError(f"the chain drafter drafts at most D{' + 1' * self.cascaded} = {most} tokens, got "
+                             f"max_depth={self.max_drafts}")
+        self.depth_modules = [self.modules[min(k, len(self.modules)) - 1] for k in range(1, self.max_drafts + 1)]
+        self.step_modules = list(self.depth_modules)  # what draft() calls: these, or compiled (compiled.py)
+        # When set (compiled decoding), every module recomputes this many positions after a drafting step, whatever
+        # the rows advanced: one shape per step, so one graph. It must be >= max_drafts + 1, the most a step needs.
+        self.fixed_window: Optional[int] = None
         self.embed = module.mtp_draft_embedding() if self.cascaded else None
 
     def allocate(self, batch_size: int, max_len: int) -> MTPDraftState:
-        caches, hidden, rows = drafter_buffers(self.module, list(self.modules), self.cascaded, batch_size, max_len)
+        caches, hidden, rows = drafter_buffers(self.module, self.depth_modules, self.cascaded, batch_size, max_len)
         return MTPDraftState(caches, hidden, [0] * self.max_drafts, rows)
 
     def observe(self, state: MTPDraftState, hidden: Tensor, positions: Tensor) -> None:
@@ -135,16 +133,8 @@ class MTPDrafter:
             steps = state.arange[size] = torch.arange(-size, 0, device=newest.device)
         return (newest.unsqueeze(1) + steps).clamp_min(0)  # (B, W) positions n-W .. n-1
 
-    def draft(
-        self,
-        state: MTPDraftState,
-        tokens: Tensor,
-        newest: Tensor,
-        num_drafts: int,
-        params: SamplingParams,
-        generator: Optional[torch.Generator] = None,
-        confidence_threshold: Optional[float] = None,
-    ) -> Drafts:
+    def draft(self, state: MTPDraftState, tokens: Tensor, newest: Tensor, num_drafts: int, params: SamplingParams,
+              generator: Optional[torch.Generator] = None, confidence_threshold: Optional[float] = None) -> Drafts:
         batch, rows = tokens.shape[0], state.rows
         drafts, probs = [], []
         alive = None  # (B,) rows still drafting (dynamic draft length)
@@ -162,8 +152,9 @@ class MTPDrafter:
             state.ran = k
             if self.cascaded and k < self.max_drafts:
                 state.hidden[k][rows, positions] = out
-            logits = self.module.mtp_depth_logits(k, out[:, -1])  # (B, V) at position n-1
-            temperature = self.module.mtp_draft_temperatures[k - 1]
+            module_depth = min(k, len(self.modules))  # depth D + 1 re-applies module D
+            logits = self.module.mtp_depth_logits(module_depth, out[:, -1])  # (B, V) at position n-1
+            temperature = self.module.mtp_draft_temperatures[module_depth - 1]
             # Confidence = the drafter's top probability at depth k, known before d_k is drawn. Stopping on it (and on
             # the prefix and earlier drafts) keeps sampling exact: given that depth k is drafted, d_k is still a
             # sample of q_k, which is all rejection sampling needs. Stopping on q_k(d_k) would not be: a draft may

@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -46,9 +48,9 @@ class NativeMTPDrafter(MTPDrafter):
         return MTPDraftState(caches, hidden, [0] * self.max_drafts, rows)
 
 
-def chain_drafter(module: nn.Module) -> MTPDrafter:
-    """The chain drafter of ``module``'s MTP layout: :class:`NativeMTPDrafter` for ``layout="native"``, else the
-    lightning layout's :class:`MTPDrafter`."""
+def chain_drafter(module: nn.Module, max_depth: Optional[int] = None) -> MTPDrafter:
+    """The chain drafter of ``module``'s MTP layout: :class:`NativeMTPDrafter` for ``layout="native"`` (depths up to
+    D), else the lightning layout's :class:`MTPDrafter` (up to ``max_depth``)."""
     if getattr(module.mtp_config, "layout", None) == "native":
         return NativeMTPDrafter(module)
-    return MTPDrafter(module)
+    return MTPDrafter(module, max_depth)

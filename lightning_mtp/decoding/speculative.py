@@ -127,17 +127,9 @@ def prefill(host: DecodingHost, cache: Any, state: DecodeState) -> tuple[Tensor,
 
 # ----------------------------------------------------------------------------------------------- the loop
 @torch.inference_mode()
-def decode(
-    host: DecodingHost,
-    drafter: Optional[Drafter],
-    prompts: Tensor,
-    lengths: Tensor,
-    config: GenerationConfig,
-    generator: Optional[torch.Generator] = None,
-    sync_ranks: bool = False,
-    fused_step: Optional[Callable] = None,
-    policy: Optional[Any] = None,
-) -> GenerateOutput:
+def decode(host: DecodingHost, drafter: Optional[Drafter], prompts: Tensor, lengths: Tensor, config: GenerationConfig,
+           generator: Optional[torch.Generator] = None, sync_ranks: bool = False,
+           fused_step: Optional[Callable] = None, policy: Optional[Any] = None) -> GenerateOutput:
     """Decode validated prompts (B, P) right-padded with lengths (B,); ``drafter=None`` is plain decoding.
 
     The output's ``sequences`` are ``prompts`` followed by the new tokens (:func:`generate` puts its own
@@ -270,22 +262,11 @@ def finish(state: DecodeState, inputs: Tensor, pad: int, max_drafts: int, batch:
     return GenerateOutput(sequences, new_tokens, state.emitted.clone(), state.prompt_lengths.clone(), stats)
 
 
-def generate(
-    module: torch.nn.Module,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    speculative: Union[bool, str] = "auto",
-    draft_tokens: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
-    attention_mask: Optional[Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-    **options: Any,
-) -> GenerateOutput:
+def generate(module: torch.nn.Module, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, speculative: Union[bool, str] = "auto",
+             draft_tokens: Optional[int] = None, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
+             attention_mask: Optional[Tensor] = None, generator: Optional[torch.Generator] = None,
+             **options: Any) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after each prompt; self-speculative with the MTP heads by default.
 
     Args:

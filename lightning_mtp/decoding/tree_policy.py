@@ -3,7 +3,8 @@
 ``speculative=False``: none. ``True``: the chain drafter for ``draft_tokens <= D`` (fixed or adaptive length,
 :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one :class:`FixedTree` shape.
 ``"auto"``: :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D
-(the chain drafter), or a plain step and a named tree or chain longer than D (the tree drafter). ``auto`` keeps the
+(D + 1 for cascaded modules; the chain drafter), or a plain step and a named tree or longer chain (the tree
+drafter). ``auto`` keeps the
 fixed chain of D when decoding is sharded over several processes (every rank must run the same forwards) and with
 a chain-only option (``compile``, ``acceptance="typical"``, ``draft_confidence_threshold``,
 ``adaptive_draft_tokens``).
@@ -103,9 +104,10 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     if requested is not None and not trees:
         raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
                          f"draft_tokens > D={depth}); leave them unset with speculative='auto'")
-    # Chains of 1..D by the chain drafter. A chain of D+1 through the tree drafter was an option too: its steps cost
-    # a tree step's overhead, and it lost to the chain of D on every benchmark row (docs/decoding.md).
-    options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth)
+    # Chains of 1..D by the chain drafter, and of D + 1 for cascaded modules (the last module re-applied: it paid on
+    # the quickstart model, docs/decoding.md).
+    beyond = int(module.mtp_config.architecture == "cascaded" and module.mtp_config.layout != "native")
+    options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth + beyond)
     # A seeded sampling call decides without timings: which draft a step makes decides which random numbers it
     # consumes, so a seed must give the same samples wherever it runs (the prior cost model and the call's own
     # acceptance only).
@@ -119,6 +121,6 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     memory = memory_for(module, key, build) if SWITCHES.memory and timings else build()
     policy = AutoPolicy(memory, options, batch, timings=timings)
     deepest = max(o.depth for o in options if o is not None)
-    if deepest > depth or not options[-1].is_chain:  # a tree, or a chain through re-applied modules: the tree drafter
+    if deepest > depth + beyond or not options[-1].is_chain:  # a tree, or a longer chain: the tree drafter
         return MTPTreeDrafter(module, deepest), AutoSteps(policy, tree_mode=True)
-    return chain_drafter(module), AutoSteps(policy, tree_mode=False)
+    return chain_drafter(module, deepest), AutoSteps(policy, tree_mode=False)
