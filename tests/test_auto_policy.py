@@ -372,6 +372,58 @@ def test_a_call_whose_drafting_measured_slower_with_its_catching_up_retires_the_
     assert policy.holds == 0 and memory.ended_plain == "slower" and policy_for(memory=memory).retired
 
 
+def test_a_call_whose_drafts_were_rejected_after_calls_whose_drafts_were_accepted_retires_nothing():
+    """A prompt whose drafts are rejected makes its call's drafting measure slower than its plain steps, but the next
+    call's prompt is another. A call's drafting is judged at the depth-1 acceptance of recent calls (its progress
+    scaled by their median over its own), so after calls whose drafts were accepted the next call decides afresh
+    (retiring it, a batch-1 row lost 40% on the easy prompt after a hard one); once hard calls are the typical ones,
+    calls start plainly."""
+    memory = AutoMemory.fresh(0.2)
+    for _ in range(3):
+        policy = policy_for(memory=memory)
+        run(policy, Machine(per_draft=0.2, accept=0.8), 200)
+        policy.end_call()
+    assert memory.ended_plain is None
+    hard, retired = Machine(per_draft=0.2, accept=0.05, seed=1), []
+    for _ in range(6):
+        policy = policy_for(memory=memory)
+        retired.append(policy.retired)
+        if not policy.retired:
+            run(policy, hard, 400)
+            (drafted, drafting, drafts, *_), (stepped, plain, *_) = policy.totals
+            assert drafts >= 16 and drafted / drafting < stepped / plain  # its drafting measured slower
+            if len(retired) == 1:
+                assert memory.ended_plain is None  # judged at the easy calls' acceptance
+        policy.end_call()
+    assert retired[:2] == [False, False] and any(retired)  # later, the hard calls' is the typical acceptance
+
+
+def test_a_call_with_too_few_drafts_to_judge_keeps_the_count_of_verdicts():
+    """A call whose drafting measured slower retires one call, the next such verdict in a row two. A call between them
+    that drafted too few steps to judge (fewer than GUARD_WINDOW) is no evidence that drafting paid: the next verdict
+    still retires two calls."""
+    memory, chain = AutoMemory.fresh(0.2), TreeShape.chain(2)
+
+    def call(steps: list) -> AutoPolicy:
+        policy, left = policy_for(memory=memory), 1000
+        for option, seconds in steps:
+            policy.next()
+            accepted = 0 if option is None else 2
+            left -= 1 + accepted
+            policy.observe(option, 1, [1] * accepted, seconds, rows=[accepted], remaining=[left])
+        policy.end_call()
+        return policy
+
+    slower = [(chain, 5.0)] * 20 + [(None, 1.0)] * 20  # 3 tokens in 5 s against 1 in 1 s
+    call(slower)
+    assert memory.ended_plain == "slower" and memory.retire_left == 1
+    assert call([]).retired
+    call([(chain, 5.0)] * 5 + [(None, 1.0)] * 20 + [(chain, 5.0)])  # 6 drafts, ending on one: no verdict
+    assert memory.ended_plain is None and memory.verdicts == 1
+    call(slower)
+    assert memory.verdicts == 2 and memory.retire_left == 2
+
+
 def test_a_call_ending_plainly_by_rating_retires_the_next_only_once_every_draft_is_timed(switches):
     """Drafting does not pay (each depth costs a plain step, drafts are accepted half the time), yet the guard never
     holds: the rating alone keeps the call plain. The next call starts plainly only when every chain's cost was

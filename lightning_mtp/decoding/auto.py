@@ -9,9 +9,9 @@ with the most steps left (a call ends when its last row does). What is not chose
 guard** steps plainly for :data:`HOLD_STEPS` (doubling) when the last :data:`GUARD_WINDOW` drafting steps measured
 slower than plain steps, then and before (a step is worth how far it brought the row with the most tokens left).
 **Memory**: costs, acceptance and the plain rate are kept per module, host, batch size, device and mode; a call after
-one whose drafting measured slower than its plain steps, or that ended stepping plainly, starts so (``retired``). A
-call with a seed (or generator) decides without timings, so a seed gives the same samples anywhere. Every option is
-lossless. Design, constants and measurements: docs/decoding.md.
+one whose drafting measured slower than its plain steps (at recent calls' acceptance), or that ended stepping plainly,
+starts so (``retired``). A call with a seed (or generator) decides without timings, so a seed gives the same samples
+anywhere. Every option is lossless. Design, constants and measurements: docs/decoding.md.
 
 Example::
 
@@ -64,6 +64,7 @@ class AutoMemory:
     ended_plain: Optional[str] = None  # how the last call ended: "slower" or "rated" (AutoPolicy.end_call), or None
     verdicts: int = 0  # calls in a row that ended plain (their drafting slower, or plain by rating)
     retire_left: int = 0  # calls still to start plainly (AutoPolicy.retired; RECHECK_EVERY)
+    firsts: list[float] = field(default_factory=list)  # depth-1 acceptance of the last calls' drafting (RECHECK_EVERY)
     plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (tokens, seconds): the guard's plain rate
     streak: int = 0  # steps of the same kind (plain or drafting) in a row, across calls (MEASURE_EVERY)
     last_plain: bool = False  # whether the last step was plain
@@ -107,7 +108,8 @@ class AutoPolicy:
         self.window: list[tuple[float, float]] = []  # (tokens, seconds) of the last drafting steps
         self.check: Optional[tuple[float, list]] = None  # (drafting rate, plain steps since) while the guard checks
         self.holds = 0  # times the guard held this call plain (each hold twice as long as the one before)
-        self.totals = ([0.0, 0.0, 0], [0.0, 0.0, 0])  # (progress, seconds, steps) of the call's drafting, plain steps
+        # (progress, seconds, steps, depth-1 hits, row-steps) of the call's drafting, and plain, steps
+        self.totals = ([0.0, 0.0, 0, 0.0, 0], [0.0, 0.0, 0, 0.0, 0])
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
         self.probe = 0  # drafting steps still to take to measure drafting (the first one only catches up)
         self.probing: Optional[TreeShape] = None  # the draft they take
@@ -230,9 +232,10 @@ class AutoPolicy:
         progress = active_rows + sum(reached) if longest is None or rows is None else (
             active_rows * (longest - max(self.remaining.values(), default=0)))
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
-        if seconds > 0:  # the call's progress and seconds, drafting and plain (end_call)
+        if seconds > 0:  # the call's sums, drafting and plain (end_call)
             totals = self.totals[option is None]
-            totals[0], totals[1], totals[2] = totals[0] + progress, totals[1] + seconds, totals[2] + 1
+            for i, value in enumerate((progress, seconds, 1, reached[0] if reached else 0, active_rows)):
+                totals[i] += value
         if not self.timings or self.steps == 1 or catching_up or not seconds > 0:
             # untimed: a seeded call, its first step, a draft after plain steps (it catches the modules up), a nan time
             return
@@ -257,16 +260,23 @@ class AutoPolicy:
 
     def end_call(self) -> None:
         """The call is over: the next starts plainly if its drafting steps (at least :data:`GUARD_WINDOW`, catching up
-        and measuring included) measured slower than its plain steps, progress over seconds summed over the call; or
-        if it ended plain by rating with every draft timed (a call that started plainly changes nothing)."""
+        and measuring included) measured slower than its plain steps, progress over seconds summed over the call and
+        scaled to the median depth-1 acceptance of the last judged calls; or if it ended plain by rating with every
+        draft timed (a call that started plainly changes nothing; one with fewer drafts leaves the count of verdicts)."""
         if self.retired:
             return
-        (drafted, drafting, drafts), (stepped, plain, _) = self.totals
-        slower = drafts >= GUARD_WINDOW and plain > 0 and drafted / drafting < stepped / plain
-        measured = all(self.memory.cost.measured(option.depth) for option in self.options[1:])
+        (drafted, drafting, drafts, hits, row_steps), (stepped, plain, *_) = self.totals
         memory = self.memory
+        judged = drafts >= GUARD_WINDOW and plain > 0
+        if judged:  # at the depth-1 acceptance of recent calls: a prompt whose drafts were rejected says little of the
+            # next call's (the call's drafting progress scaled by their median over its own)
+            memory.firsts = (memory.firsts + [hits / row_steps])[-RECHECK_EVERY:]
+            drafted *= median(memory.firsts) / max(hits / row_steps, 1e-9)
+        slower = judged and drafted / drafting < stepped / plain
+        measured = all(self.memory.cost.measured(option.depth) for option in self.options[1:])
         memory.ended_plain = "slower" if slower else "rated" if memory.last_plain and measured else None
-        memory.verdicts = memory.verdicts + 1 if memory.ended_plain else 0  # each retires twice as many calls
+        if memory.ended_plain or judged:  # each verdict in a row retires twice as many calls; too few drafts: no change
+            memory.verdicts = memory.verdicts + 1 if memory.ended_plain else 0
         memory.retire_left = min(2 ** (memory.verdicts - 1), RECHECK_EVERY - 1) if memory.ended_plain else 0
 
 

@@ -125,16 +125,9 @@ class PredictionWriter(BasePredictionWriter):
         self._partial(trainer, "generations.jsonl").write_text("", encoding="utf-8")
         self._stats, self._rows = [], 0
 
-    def write_on_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        prediction: dict,
-        batch_indices: Optional[Sequence[int]],
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: dict,
+                           batch_indices: Optional[Sequence[int]], batch: Any, batch_idx: int,
+                           dataloader_idx: int = 0) -> None:
         prompts = prediction.get("prompt_text") or [None] * len(prediction["tokens"])
         texts = prediction.get("texts") or [None] * len(prediction["tokens"])
         with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:

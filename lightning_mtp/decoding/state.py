@@ -48,12 +48,8 @@ def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts:
     tokens[:, :width] = prompts
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     return DecodeState(
-        tokens=tokens,
-        newest=lengths - 1,
-        prompt_lengths=lengths.clone(),
-        emitted=zeros.clone(),
-        done=torch.zeros(batch, dtype=torch.bool, device=device),
-        row_forwards=zeros.clone(),
+        tokens=tokens, newest=lengths - 1, prompt_lengths=lengths.clone(), emitted=zeros.clone(),
+        done=torch.zeros(batch, dtype=torch.bool, device=device), row_forwards=zeros.clone(),
         steps=torch.arange(max_drafts + 1, device=device),
         drafted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
         accepted=torch.zeros(max(1, max_drafts), dtype=torch.long, device=device),
