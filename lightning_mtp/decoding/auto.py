@@ -262,7 +262,7 @@ class AutoPolicy:
         """The call is over: the next starts plainly if its drafting steps (at least :data:`GUARD_WINDOW`, catching up
         and measuring included) measured slower than its plain steps, progress over seconds summed over the call and
         scaled to the median depth-1 acceptance of the last judged calls; or if it ended plain by rating with every
-        draft timed (a call that started plainly changes nothing; one with fewer drafts leaves the count of verdicts)."""
+        draft timed (a call that started plainly changes nothing; one with fewer drafts keeps the count of verdicts)."""
         if self.retired:
             return
         (drafted, drafting, drafts, hits, row_steps), (stepped, plain, *_) = self.totals
