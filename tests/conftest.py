@@ -101,3 +101,14 @@ def save_checkpoint(module, path) -> str:
     trainer.strategy.connect(module)
     trainer.save_checkpoint(path)
     return str(path)
+
+
+@pytest.fixture
+def switches():
+    """``speculative="auto"``'s mechanism switches (``lightning_mtp.decoding.auto.SWITCHES``), restored after the
+    test."""
+    from lightning_mtp.decoding.auto import SWITCHES
+
+    saved = dict(vars(SWITCHES))
+    yield SWITCHES
+    vars(SWITCHES).update(saved)

@@ -4,10 +4,9 @@
 :class:`~lightning_mtp.decoding.drafting.DraftLength`), else the tree drafter with one :class:`FixedTree` shape.
 ``"auto"``: :class:`~lightning_mtp.decoding.auto.AutoPolicy` choosing per step among a plain step and chains of 1..D
 (D + 1 for cascaded modules; the chain drafter), or a plain step and a named tree or longer chain (the tree
-drafter). ``auto`` keeps the
-fixed chain of D when decoding is sharded over several processes (every rank must run the same forwards) and with
-a chain-only option (``compile``, ``acceptance="typical"``, ``draft_confidence_threshold``,
-``adaptive_draft_tokens``).
+drafter). ``auto`` keeps the fixed chain of D when decoding is sharded over several processes (every rank must run
+the same forwards) and with a chain-only option (``compile``, ``acceptance="typical"``,
+``draft_confidence_threshold``, ``adaptive_draft_tokens``).
 """
 
 from __future__ import annotations
