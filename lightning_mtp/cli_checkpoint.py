@@ -59,7 +59,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def given_keys(args: Iterable[str], config_files: Iterable[Any] = ()) -> set[str]:
-    """Dotted keys the user set as flags (``--a.b c`` / ``--a.b=c``) or in ``--config`` files."""
+    """Dotted keys the user set as flags (``--a.b c`` / ``--a.b=c``) or in ``--config`` files. A config file's
+    ``null`` leaves its setting unset: the bundled configs write ``tokenizer: null`` for "the default", which a
+    checkpoint's tokenizer then fills (a flag is given whatever its value)."""
     keys: set[str] = set()
     for token in args:
         if token.startswith("--") and len(token) > 2:
@@ -68,7 +70,7 @@ def given_keys(args: Iterable[str], config_files: Iterable[Any] = ()) -> set[str
         text = Path(str(path)).read_text(encoding="utf-8") if Path(str(path)).is_file() else str(path)
         content = yaml.safe_load(text)
         if isinstance(content, Mapping):
-            keys.update(flatten(content))
+            keys.update(key for key, value in flatten(content).items() if value is not None)
     return keys
 
 

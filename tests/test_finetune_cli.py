@@ -60,11 +60,18 @@ def test_chat_finetune_then_predict_from_the_checkpoint_alone(tmp_path):
         assert row["completion"] == tokenizer.decode(row["tokens"]) and len(row["tokens"]) <= 6
 
 
-def test_text_finetune_packs_documents(tmp_path):
+def test_text_finetune_packs_documents_and_resumes_with_the_same_command(tmp_path):
     folder = model_folder(tmp_path / "model")
-    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(60))))
-    checkpoint = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=True)
+    args = finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(60)))
+    main(args)
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=True)
     assert checkpoint["global_step"] == 4 and checkpoint["tokenizer"]["data"]["packing"] is None
+
+    # the README's resume: the same command and --ckpt_path (the config's `tokenizer: null` is "unset", which the
+    # checkpoint's tokenizer fills, not a tokenizer that contradicts it)
+    main([*args, "--trainer.max_steps", "6", "--ckpt_path", str(ckpt)])
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 6
 
 
 def test_native_layers_are_fine_tuned_and_exported_with_the_tokenizer(tmp_path):
