@@ -195,3 +195,16 @@ def test_valid_corpus_with_literal_replacement_characters_does_not_warn(tmp_path
         warnings.simplefilter("always")
         dm.setup("fit")
     assert not [w for w in record if "U+FFFD" in str(w.message)]
+
+
+def test_a_folder_without_the_suffixes_read_names_the_files_it_has(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"doc{i}.txt").write_text(f"document {i}: " + "words " * 40 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^--data.corpus: directory .*docs' \(files ending in \.py\) holds none, only "
+                                         r"files ending in \.txt: name the endings to read with --data.suffixes"):
+        byte_dm(tmp_path, corpus=str(folder)).setup("fit")
+    dm = byte_dm(tmp_path, corpus=str(folder), suffixes=[".txt"], val_fraction=0.34)
+    dm.setup("fit")  # named: read
+    assert len(dm.train_dataset) > 0

@@ -184,14 +184,50 @@ def test_records_without_the_field_are_refused_naming_the_fields(tok_dir, tmp_pa
     dm.setup("fit")  # named: fine
 
 
+def test_records_some_of_which_lack_the_field_are_refused_not_dropped(tok_dir, tmp_path):
+    # a file mixing chats and documents: the documents used to vanish without a word
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", chat_records(12) + text_records(5))
+    with pytest.raises(ValueError, match=r"^--data.corpus: 5 of 17 records have no 'messages' field "
+                                         r"\(--data.messages_field\); the first is record 12 .* whose fields are "
+                                         r"\['text'\]; the corpus mixes 'messages' and 'text' records"):
+        datamodule(mixed, tok_dir, tmp_path).setup("fit")
+    # a misspelt field in some records
+    misspelt = text_records(20) + [{"content": record["text"]} for record in text_records(3)]
+    with pytest.raises(ValueError, match=r"3 of 23 records have no 'text' field \(--data.text_field\); the first is "
+                                         r"record 20 .* whose fields are \['content'\]: fix or remove"):
+        datamodule(write_jsonl(tmp_path / "some.jsonl", misspelt), tok_dir, tmp_path).setup("fit")
+
+
+def test_records_with_nothing_to_train_are_counted_in_a_warning(tok_dir, tmp_path):
+    records = text_records(30) + [{"text": ""}] * 4
+    dm = datamodule(write_jsonl(tmp_path / "x.jsonl", records), tok_dir, tmp_path, val_fraction=0.05)
+    with pytest.warns(UserWarning, match=r"--data.corpus: \d of \d+ (train|val) records have no token to train on "
+                                         r"and are skipped"):
+        dm.setup("fit")
+
+
 def test_an_empty_corpus_is_refused(tok_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(ValueError, match=r"--data.corpus"):
+    with pytest.raises(ValueError, match=r"--data.corpus: .*/empty.jsonl is empty: it holds no records"):
         datamodule(empty, tok_dir, tmp_path).setup("fit")
-    blanks = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}, {"text": ""}])
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    with pytest.raises(ValueError, match=r"--data.corpus: .*/blank.jsonl is empty: it holds no records"):
+        datamodule(blank, tok_dir, tmp_path).setup("fit")
+    blanks = write_jsonl(tmp_path / "blanks.jsonl", [{"text": ""}, {"text": ""}, {"text": ""}])
     with pytest.raises(ValueError, match=r"--data.corpus: no training record has a token to train on"):
         datamodule(blanks, tok_dir, tmp_path).setup("fit")
+
+
+def test_a_line_that_is_not_json_is_named_with_its_number(tok_dir, tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", text_records(10))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[6] = lines[6][:-3]  # cut: not valid JSON
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^--data.corpus: cannot read the .jsonl files .* as records: .*x.jsonl: "
+                                         r"line 7 is not valid JSON \("):
+        datamodule(path, tok_dir, tmp_path).setup("fit")
 
 
 def test_a_template_without_generation_marks_is_refused_for_assistant_training(tmp_path):

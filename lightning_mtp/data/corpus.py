@@ -137,6 +137,11 @@ def find_corpus_files(corpus: Optional[str], suffixes: Optional[Sequence[str]] =
         files = [Path(corpus)]
         where = f"file {corpus!r}"
     files = [f for f in files if f.is_file()]
+    if not files and suffixes and corpus is not None and Path(corpus).is_dir():
+        others = sorted({f.suffix or f.name for f in _walk(Path(corpus), DIRECTORY_EXCLUDED_DIRS, None)})
+        if others:  # files there, of other kinds: say so, and how to read them
+            raise ValueError(f"{CORPUS_FLAG}: {where} holds none, only files ending in {', '.join(others[:8])}: "
+                             f"name the endings to read with --data.suffixes, e.g. '[{others[0]}]'")
     if not files:
         raise ValueError(f"{CORPUS_FLAG}: {where} is empty: it has no files")
     non_empty = sorted(f for f in files if f.stat().st_size > 0)

@@ -117,14 +117,44 @@ def load_records(files: Sequence[Path], cache_dir: Path) -> Any:
             part = datasets.load_dataset(_BUILDERS[suffix], data_files=chosen, split="train",
                                          cache_dir=str(cache_dir / "datasets"), **options)
         except Exception as error:  # noqa: BLE001 - a file datasets cannot read: name it and the reason
-            reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             raise ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {chosen[:3]} as records: "
-                             f"{reason[:300]}") from None
+                             f"{_unreadable(chosen, error)[:300]}") from None
         parts.append(part)
     if len(parts) == 1:
         return parts[0]
     common = set.intersection(*(set(p.column_names) for p in parts))
     return datasets.concatenate_datasets([p.select_columns(sorted(common)) for p in parts])
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether ``path`` holds nothing but whitespace (read until its first other byte)."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _unreadable(files: Sequence[str], error: BaseException) -> str:
+    """Why ``datasets`` could not read ``files``: an empty file, the first JSON line that does not parse
+    (``file: line N``), else the innermost error of the chain (``datasets`` wraps the reader's own message)."""
+    for name in files:
+        if _is_blank(Path(name)):
+            return f"{name} is empty: it holds no records"
+        if Path(name).suffix.lower() != ".jsonl":
+            continue
+        with open(name, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, start=1):
+                try:
+                    if line.strip() and not isinstance(json.loads(line), dict):
+                        return f"{name}: line {number} is not a JSON object ({{...}})"
+                except json.JSONDecodeError as bad:
+                    reason = bad.msg.removesuffix(" at")  # "Invalid control character at"
+                    return f"{name}: line {number} is not valid JSON ({reason}, column {bad.colno})"
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _datasets() -> Any:
@@ -134,17 +164,36 @@ def _datasets() -> Any:
 
 
 def record_kind(dataset: Any, settings: RecordSettings) -> bool:
-    """Whether the records are chat (``messages_field`` present) or text (``text_field``); refuses neither."""
+    """Whether the records are chat (``messages_field`` present) or text (``text_field``); refuses neither, and
+    records without the field the others have (:func:`refuse_missing_field`)."""
     columns = dataset.column_names
     if settings.messages_field in columns:
+        refuse_missing_field(dataset, settings.messages_field, "--data.messages_field", settings.text_field)
         return True
     if settings.text_field in columns:
+        refuse_missing_field(dataset, settings.text_field, "--data.text_field", settings.messages_field)
         return False
     raise ValueError(
         f"{CORPUS_FLAG}: the records have neither a {settings.text_field!r} field (--data.text_field) nor a "
         f"{settings.messages_field!r} field (--data.messages_field); their fields are {sorted(columns)}: name the "
         "field that holds the text or the chat turns"
     )
+
+
+def refuse_missing_field(dataset: Any, field: str, flag: str, other: str) -> None:
+    """Raise when some records lack ``field`` (or hold null there): a file that mixes chats and texts, or records
+    with a misspelt field, would otherwise lose those records silently."""
+    column = dataset.data.column(field)  # Arrow: records without the field hold null
+    missing = column.null_count
+    if missing == 0:
+        return
+    first = next(i for i, value in enumerate(column.is_null().to_pylist()) if value)
+    fields = sorted(key for key, value in dataset[first].items() if value is not None)
+    mixed = f"; the corpus mixes {field!r} and {other!r} records, which one fit cannot train together" if (
+        other in fields) else ""
+    raise ValueError(f"{CORPUS_FLAG}: {missing} of {len(dataset)} records have no {field!r} field ({flag}); the "
+                     f"first is record {first} (from 0, in file order), whose fields are {fields}{mixed}: fix or "
+                     "remove those records")
 
 
 def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
@@ -213,6 +262,11 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
                           new_fingerprint=f"{folder.name}-{name}")
         mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"], batched=True,
                                new_fingerprint=f"{folder.name}-{name}-nonempty")
+        if len(mapped) < len(part):
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"{CORPUS_FLAG}: {len(part) - len(mapped)} of {len(part)} {name} records have no token to "
+                           "train on and are skipped (empty texts, or chats without an assistant turn)")
         mapped.save_to_disk(str(folder / name))
         out[name] = datasets.load_from_disk(str(folder / name))
     if len(out["train"]) == 0:
