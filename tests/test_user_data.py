@@ -284,3 +284,23 @@ def test_the_model_folders_tokenizer_is_the_default(tmp_path):
     trainer.fit(model, dm)
     assert dm.tokenizer.fingerprint == load_pretrained_tokenizer(str(folder)).fingerprint
     assert model.mtp_tokenizer["kind"] == "pretrained"
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_a_local_tokenizer_for_a_model_folder_with_its_own_is_refused(tmp_path, kind):
+    # hf_llama.yaml sets tokenizer: bpe; with --model.init_args.pretrained DIR its ids would have fed a model whose
+    # embedding rows mean another tokenizer's (silently, when the model's vocabulary is the larger)
+    import lightning as L
+
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.models import HFCausalLM
+
+    folder = model_folder(tmp_path / "model", vocab_size=4096)
+    model = HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=1))
+    dm = TextDataModule(corpus=str(write_jsonl(tmp_path / "code.jsonl", text_records(40))), tokenizer=kind,
+                        vocab_size=300, seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"), num_proc=1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=rf"^--data.tokenizer {kind}: the model is loaded from .*model', which has "
+                                         r"its own tokenizer.*leave --data.tokenizer unset"):
+        trainer.fit(model, dm)

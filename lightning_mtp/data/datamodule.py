@@ -245,6 +245,12 @@ class TextDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             if self.tokenizer_kind is None:
                 self.tokenizer_kind = self._model_folder() or "bpe"
+            elif self.tokenizer_kind in ("bpe", "byte") and self._model_folder():
+                kind = self.tokenizer_kind
+                raise ValueError(
+                    f"--data.tokenizer {kind}: the model is loaded from {self._model_folder()!r}, which has its own "
+                    f"tokenizer, and its embedding rows mean that tokenizer's ids, not {kind} ones: leave "
+                    "--data.tokenizer unset (null: the model folder's tokenizer) or give the folder")
             if self.tokenizer_kind == "bpe" and self.records is not None:
                 self._tokenizer = BPETokenizer.train(self.records.files, self.requested_vocab_size, self.cache_dir,
                                                      texts=self.records.training_texts)
