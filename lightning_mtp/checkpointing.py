@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -179,12 +180,68 @@ def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) 
         module.mtp_active_depth = meta.get("active_depth", module.mtp_active_depth)
 
 
+DEEPSPEED_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+"""Rank 0's module-states file in a DeepSpeed checkpoint's tag folder: ZeRO-1/2 write the first, ZeRO-3 (one file per
+rank, the module's parameters partitioned) the second. Either holds Lightning's checkpoint less its ``state_dict``
+and ``optimizer_states`` (hyperparameters, MTP record, tokenizer, loops, ``global_step``)."""
+
+
+def convert_command(path: Any) -> str:
+    """The one-line command that converts the DeepSpeed checkpoint folder ``path`` to a single fp32 file."""
+    return ("python -c \"from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict "
+            f"as c; c('{path}', 'model.ckpt')\"")
+
+
+def deepspeed_model_states(folder: Path, path: Any, flag: str) -> Path:
+    """Rank 0's module-states file of the DeepSpeed checkpoint folder ``folder`` (``path`` as the user gave it),
+    after checking that every ``*_states.pt`` shard beside it is a whole zip archive (see ``check_shards``).
+
+    Raises:
+        ValueError: the folder is neither a DeepSpeed checkpoint nor a sharded FSDP2 one, or a shard is unreadable.
+    """
+    tag_folder = deepspeed_tag_folder(folder)
+    found = [tag_folder / name for name in DEEPSPEED_MODEL_STATES if (tag_folder / name).is_file()]
+    if not found:
+        raise ValueError(f"{flag} {str(path)!r} is a directory but not a DeepSpeed checkpoint (neither "
+                         f"{' nor '.join(DEEPSPEED_MODEL_STATES)} under {tag_folder.name}/) nor a sharded FSDP2 one "
+                         "(no meta.pt): give a checkpoint file or a directory written by a DeepSpeed or FSDP2 fit")
+    check_shards(tag_folder, path, flag)
+    return found[0]
+
+
+def deepspeed_tag_folder(folder: Path) -> Path:
+    """The folder of a DeepSpeed checkpoint's shards: the tag named in ``latest`` (Lightning's is ``checkpoint``)."""
+    tag_file = folder / "latest"
+    return folder / (tag_file.read_text().strip() if tag_file.is_file() else "checkpoint")
+
+
+def check_shards(tag_folder: Path, path: Any, flag: str) -> None:
+    """Raise ``ValueError`` when a ``*_states.pt`` file of a DeepSpeed checkpoint is empty or not a whole zip
+    archive (``torch.save``'s format; a truncated file has lost the archive's directory at its end). Reads only each
+    file's end, so a resume fails here with one message instead of in DeepSpeed's loader on every rank."""
+    for shard in sorted(tag_folder.glob("*_states.pt")):
+        if shard.stat().st_size == 0 or not zipfile.is_zipfile(shard):
+            raise ValueError(f"{flag} {str(path)!r} cannot be read: its shard {shard.relative_to(tag_folder.parent)} "
+                             "is empty, truncated or not a PyTorch checkpoint (was its writing interrupted?)")
+
+
+def without_zero3_placeholders(checkpoint: dict) -> dict:
+    """Drop a ZeRO-3 module-states file's ``module`` entry: its parameters are empty placeholders (the weights are in
+    the optimizer shards), never to be read as weights. ZeRO-1/2's ``module`` holds whole weights and stays."""
+    module = checkpoint.get("module")
+    if isinstance(module, dict) and any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in module.values()):
+        checkpoint = {k: v for k, v in checkpoint.items() if k != "module"}
+    return checkpoint
+
+
 def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
     """``torch.load(path, weights_only=True)`` with errors that name the path and the flag it came from.
 
-    A DeepSpeed checkpoint directory reads as its rank-0 module-states file, a sharded FSDP2 checkpoint directory
-    (``ModelParallelStrategy(save_distributed_checkpoint=True)``) as its ``meta.pt`` (hyperparameters, MTP metadata,
-    tokenizer; the sharded weights stay where they are).
+    A DeepSpeed checkpoint directory reads as its rank-0 module-states file (ZeRO-1/2's ``mp_rank_00_...``, ZeRO-3's
+    ``zero_pp_rank_0_mp_rank_00_...``; its shards are checked to be whole, and ZeRO-3's placeholder ``module``
+    entry is left out), a sharded FSDP2 checkpoint directory (``ModelParallelStrategy(save_distributed_checkpoint=
+    True)``) as its ``meta.pt`` (hyperparameters, MTP metadata, tokenizer; the sharded weights stay where they are).
+    Neither has a ``state_dict``: the strategy that wrote the folder loads its weights (see ``is_deepspeed_folder``).
 
     Raises:
         ValueError: the file is missing, empty, truncated, not a checkpoint, or holds pickled objects (lightning-mtp
@@ -194,13 +251,7 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
     if file.is_dir() and (file / "meta.pt").is_file():  # torch.distributed.checkpoint shards and Lightning's metadata
         file = file / "meta.pt"
     elif file.is_dir():  # a DeepSpeed checkpoint: its metadata sits beside rank 0's module states
-        tag_file = file / "latest"
-        tag = tag_file.read_text().strip() if tag_file.is_file() else "checkpoint"
-        file = file / tag / "mp_rank_00_model_states.pt"
-        if not file.is_file():
-            raise ValueError(f"{flag} {str(path)!r} is a directory but not a DeepSpeed checkpoint (no {file.name} "
-                             f"under {tag}/) nor a sharded FSDP2 one (no meta.pt): give a checkpoint file or a "
-                             "directory written by a DeepSpeed or FSDP2 fit")
+        file = deepspeed_model_states(file, path, flag)
     if not file.is_file():
         raise ValueError(f"{flag} {str(path)!r} does not exist")
     if file.stat().st_size == 0:
@@ -218,7 +269,25 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{flag} {str(path)!r} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
                          "not a dict with a state_dict")
-    return checkpoint
+    return without_zero3_placeholders(checkpoint)
+
+
+def is_deepspeed_folder(path: Any) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint folder (any ZeRO stage)."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / "meta.pt").is_file():
+        return False
+    return any((deepspeed_tag_folder(folder) / name).is_file() for name in DEEPSPEED_MODEL_STATES)
+
+
+def refuse_deepspeed_folder(path: Any, flag: str = "--ckpt_path", use: str = "predict") -> None:
+    """Raise ``ValueError`` when ``path`` is a DeepSpeed checkpoint folder, which only a resumed DeepSpeed fit loads
+    (Lightning reads a file without DeepSpeed; DeepSpeed 0.19 fails to load a ZeRO-3 folder for inference): the
+    message says how to convert it to the single fp32 file that ``use`` (predict, export, ...) reads."""
+    if is_deepspeed_folder(path):
+        raise ValueError(f"{flag} {str(path)!r} is a DeepSpeed checkpoint folder, which only a resumed DeepSpeed fit "
+                         f"loads: for {use}, convert it to one fp32 file with {convert_command(path)} and give "
+                         f"{flag} model.ckpt")
 
 
 def tokenizer_mismatch(trained: Optional[dict], used: Optional[dict]) -> Optional[str]:
@@ -246,6 +315,7 @@ def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_fro
     tokenizer record (if any) is kept on the module (``mtp_tokenizer``), so that data with another tokenizer is
     refused.
     """
+    refuse_deepspeed_folder(path, flag, "a new fit from its weights")  # its module states hold no (whole) weights
     checkpoint = read_checkpoint(path, flag)
     if "state_dict" not in checkpoint:
         checkpoint = {"state_dict": checkpoint}

@@ -43,7 +43,7 @@ import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
-from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint
+from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help
@@ -110,6 +110,9 @@ class MTPLightningCLI(LightningCLI):
         init_from = current.get("model.init_from")
         self._tokenizer_record: Optional[dict] = None
         if ckpt_path:
+            strategy = " ".join(str(value) for key, value in current.items() if key.startswith("trainer.strategy"))
+            if subcommand != "fit" and "deepspeed" not in strategy.lower():  # Lightning reads the shards as a file
+                refuse_deepspeed_folder(ckpt_path, "--ckpt_path", subcommand)
             checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
             if subcommand == "predict":
                 check_finite_state_dict(checkpoint.get("state_dict") or {}, f"--ckpt_path {ckpt_path}")

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from lightning_mtp.checkpointing import read_checkpoint
+from lightning_mtp.checkpointing import read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_checkpoint import checkpoint_model_class, without_missing_folder
 from lightning_mtp.data.tokenizer_choice import save_for_transformers
 from lightning_mtp.finite import check_finite_state_dict
@@ -182,6 +182,7 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
     from lightning_mtp.native.export import check_exportable
 
     target = check_out(out, overwrite, ckpt_path)
+    refuse_deepspeed_folder(ckpt_path, "--ckpt_path", "export")  # shards: converted to one file first
     checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
     check_finite_state_dict(checkpoint.get("state_dict") or {}, f"--ckpt_path {ckpt_path}")
     cls = model_class(checkpoint)
