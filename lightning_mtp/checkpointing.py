@@ -260,7 +260,11 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - every failure is reported the same way, without torch's advice
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if "weights only load failed" in first_line.lower() or "weights_only" in first_line:
+        with open(file, "rb") as fh:
+            head = fh.read(2)
+        if head not in (b"PK", b"\x80\x02"):  # neither of torch.save's formats (a zip archive; legacy pickle)
+            reason = "it is not a PyTorch checkpoint (torch.save writes a zip archive; this is not one)"
+        elif "weights only load failed" in first_line.lower() or "weights_only" in first_line:
             reason = "it holds pickled Python objects, which lightning-mtp does not load (checkpoints it writes hold "
             reason += "tensors and plain types only)"
         else:

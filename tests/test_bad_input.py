@@ -99,6 +99,9 @@ def test_unreadable_checkpoints_are_refused_naming_path_and_flag(tiny_checkpoint
     else:
         err = cli_refusal(tiny_fit_args(tmp_path, via, str(path)), capsys)
     assert via in err and str(path) in err
+    why = {"missing": "does not exist", "empty": "is an empty file", "truncated": "truncated or not a PyTorch",
+           "text": "it is not a PyTorch checkpoint", "pickled": "holds pickled Python objects"}[kind]
+    assert why in err, err  # a text file was said to hold pickled objects
 
 
 @pytest.mark.parametrize("flags, named", [
