@@ -8,9 +8,10 @@ What it adds to Lightning's ``ModelCheckpoint`` (whose arguments it takes, for t
   one, so a kill during a save leaves the previous checkpoint intact (a DeepSpeed checkpoint folder is swapped the
   same way, the old one kept as ``.<name>.previous`` until the new one is in place, and brought back if a crash left
   only that);
-- on SIGTERM (a scheduler's preemption, ``kill``) or SIGINT (Ctrl-C) the fit finishes its current batch, saves
-  ``last.ckpt`` and stops with exit status 128 + the signal's number (143, 130); ``--ckpt_path last.ckpt`` then
-  resumes it exactly. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
+- on SIGTERM (a scheduler's preemption, ``kill``, ``docker stop``) or SIGINT (Ctrl-C) the fit finishes its current
+  batch, saves ``last.ckpt`` and stops with exit status 128 + the signal's number (143, 130); ``--ckpt_path
+  last.ckpt`` then resumes it exactly. The signal may reach one rank or all of them: the ranks agree on it after every
+  batch, so all stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
 - one fit per folder: a lock (:mod:`~lightning_mtp.callbacks.folder_lock`) refuses a second fit into the same folder,
   naming the process that writes there;
 - a fit that diverged (:class:`~lightning_mtp.finite.TrainingDiverged`) saves nothing: the last good checkpoint stays.
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -82,7 +84,8 @@ class SafeCheckpoint(ModelCheckpoint):
                          enable_version_counter=enable_version_counter, **kwargs)
         self.save_every_minutes = save_every_minutes
         self._last_save_time = time.monotonic()
-        self._signal: Optional[int] = None  # SIGINT once Ctrl-C was pressed (SIGTERM is Lightning's received_sigterm)
+        self._signal: Optional[int] = None  # the signal this process received (SIGINT or SIGTERM), or None
+        self._stop_signal: Optional[int] = None  # the one all ranks agreed to stop for
         self._previous_sigint: Any = None
 
     # ----------------------------------------------------------------- one fit per folder
@@ -121,10 +124,20 @@ class SafeCheckpoint(ModelCheckpoint):
 
     # ----------------------------------------------------------------- when to save
     @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        self._install_signal_handlers()  # Lightning registered its SIGTERM handler just before: replace it
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._last_save_time = time.monotonic()
-        self._install_sigint()
+        self._install_signal_handlers()  # already done when a sanity check ran
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._restore_sigint()
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -132,9 +145,8 @@ class SafeCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         due = (self.save_every_minutes is not None
                and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes)
-        # Rank 0 decides both: every rank must stop, and take part in a save, at the same batch.
-        due, interrupted = trainer.strategy.broadcast((due, self._signal is not None))
-        if interrupted:
+        due = self._agree(trainer, due)  # every rank must stop, and take part in a save, at the same batch
+        if self._stop_signal:
             raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
         if due and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -143,8 +155,18 @@ class SafeCheckpoint(ModelCheckpoint):
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
-        if trainer.strategy.broadcast(self._signal is not None):
+        self._agree(trainer, False)
+        if self._stop_signal:
             raise SIGTERMException  # a validation interrupted here is finished when the fit resumes
+
+    def _agree(self, trainer: L.Trainer, due: bool) -> bool:
+        """One collective that every rank reaches after the same batch (and no other anywhere for a signal): returns
+        whether a save is due (rank 0's clock decides) and sets ``_stop_signal`` to the signal any rank received (the
+        larger number when they differ, so that every rank exits with the same status), or leaves it None."""
+        mine = torch.tensor([int(due), int(self._signal or 0)], device=trainer.strategy.root_device)
+        every = trainer.strategy.all_gather(mine).reshape(-1, 2)  # row r: rank r's (one row on a single device)
+        self._stop_signal = int(every[:, 1].max()) or None
+        return bool(every[0, 0])
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -167,7 +189,7 @@ class SafeCheckpoint(ModelCheckpoint):
         super().on_exception(trainer, pl_module, exception)
         if not isinstance(exception, SIGTERMException):
             return
-        signum = self._signal or signal.SIGTERM
+        signum = self._stop_signal or signal.SIGTERM  # None: Lightning's own SIGTERM path (before training started)
         exception.code = 128 + int(signum)  # the exit status of a process stopped by that signal
         name = signal.Signals(signum).name
         if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.global_step == 0:
@@ -178,22 +200,40 @@ class SafeCheckpoint(ModelCheckpoint):
         _tell(trainer, f"{name}: stopped at step {trainer.global_step}; saved {self.last_model_path}. Resume with "
                        f"--ckpt_path {self.last_model_path}")
 
-    # ----------------------------------------------------------------- Ctrl-C
-    def _install_sigint(self) -> None:
-        """Ctrl-C asks for the clean stop SIGTERM gets: after the current batch, with ``last.ckpt`` saved."""
-        self._signal = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+    # ----------------------------------------------------------------- SIGTERM, Ctrl-C
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM and Ctrl-C only mark the stop, which ``_agree`` shares at the next batch end: after the current
+        batch, with ``last.ckpt`` saved.
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self._signal is not None:  # a second Ctrl-C: stop at once, keeping the last checkpoint written
-            self._restore_sigint()
-            raise KeyboardInterrupt
+        Ours replaces Lightning's SIGTERM handler, which runs a ``broadcast`` inside the handler, wherever the rank
+        happens to be, once per SIGTERM received, and forwards the signal to the other local ranks: when a scheduler
+        signals every process, rank 1 gets it twice and rank 0 once, their collectives no longer pair up, and both wait
+        forever.
+
+        Lightning's handler is not put back: ours stays until Lightning's teardown restores the SIGTERM handler the fit
+        started with, so that a late SIGTERM (``torchrun`` forwards one besides the scheduler's) finds no collective
+        to run while the ranks save and stop."""
+        if self._previous_sigint is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._signal = self._stop_signal = None
+        self._previous_sigint = signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Mark the stop; no collective, no forwarding here (see ``_install_signal_handlers``)."""
+        if self._signal is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C: stop at once, keeping the last checkpoint written
+                self._restore_sigint()
+                raise KeyboardInterrupt
+            return  # a second SIGTERM: the stop is under way
         self._signal = signum
-        print("lightning-mtp: Ctrl-C: saving last.ckpt after this batch, then stopping (Ctrl-C again stops at once)",
-              file=sys.stderr, flush=True)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
+        print(f"lightning-mtp: {name}: saving last.ckpt after this batch, then stopping{again}", file=sys.stderr,
+              flush=True)
 
     def _restore_sigint(self) -> None:
+        """Ctrl-C means what it meant before the fit again (SIGTERM: see ``_install_signal_handlers``)."""
         if self._previous_sigint is not None:
             signal.signal(signal.SIGINT, self._previous_sigint)
             self._previous_sigint = None
