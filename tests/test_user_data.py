@@ -198,6 +198,17 @@ def test_records_some_of_which_lack_the_field_are_refused_not_dropped(tok_dir, t
         datamodule(write_jsonl(tmp_path / "some.jsonl", misspelt), tok_dir, tmp_path).setup("fit")
 
 
+def test_an_empty_csv_cell_is_an_empty_text_not_a_missing_field(tok_dir, tmp_path):
+    import datasets
+
+    corpus = tmp_path / "code.csv"  # every row has the column; an empty cell reads as null
+    datasets.Dataset.from_list(text_records(30) + [{"text": None}] * 2).to_csv(str(corpus), index=False)
+    dm = datamodule(corpus, tok_dir, tmp_path, val_fraction=0.05)
+    with pytest.warns(UserWarning, match=r"records have no token to train on and are skipped"):
+        dm.setup("fit")
+    assert len(dm.train_dataset) > 0
+
+
 def test_records_with_nothing_to_train_are_counted_in_a_warning(tok_dir, tmp_path):
     records = text_records(30) + [{"text": ""}] * 4
     dm = datamodule(write_jsonl(tmp_path / "x.jsonl", records), tok_dir, tmp_path, val_fraction=0.05)

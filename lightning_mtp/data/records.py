@@ -163,16 +163,17 @@ def _datasets() -> Any:
     return datasets
 
 
-def record_kind(dataset: Any, settings: RecordSettings) -> bool:
+def record_kind(dataset: Any, settings: RecordSettings, json_records: bool = True) -> bool:
     """Whether the records are chat (``messages_field`` present) or text (``text_field``); refuses neither, and
-    records without the field the others have (:func:`refuse_missing_field`)."""
+    JSON records without the field the others have (:func:`refuse_missing_field`; in a CSV or Parquet file every
+    record has every column, and a null is an empty value: skipped with the empty records)."""
     columns = dataset.column_names
-    if settings.messages_field in columns:
-        refuse_missing_field(dataset, settings.messages_field, "--data.messages_field", settings.text_field)
-        return True
-    if settings.text_field in columns:
-        refuse_missing_field(dataset, settings.text_field, "--data.text_field", settings.messages_field)
-        return False
+    for chat, field, flag, other in ((True, settings.messages_field, "--data.messages_field", settings.text_field),
+                                     (False, settings.text_field, "--data.text_field", settings.messages_field)):
+        if field in columns:
+            if json_records:
+                refuse_missing_field(dataset, field, flag, other)
+            return chat
     raise ValueError(
         f"{CORPUS_FLAG}: the records have neither a {settings.text_field!r} field (--data.text_field) nor a "
         f"{settings.messages_field!r} field (--data.messages_field); their fields are {sorted(columns)}: name the "
@@ -479,7 +480,8 @@ class RecordCorpus:
         """The raw (train, val) records, read once."""
         if self._splits is None:
             records = load_records(self.files, self.cache_dir)
-            self.chat = record_kind(records, self.settings)
+            json_records = all(p.suffix.lower() in (".json", ".jsonl") for p in self.files)
+            self.chat = record_kind(records, self.settings, json_records)
             self._splits = split_records(records, self.settings.val_fraction, self.settings.seed)
         return self._splits
 
