@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -87,6 +88,29 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's load, which writes the weights into the shards strictly before any module hook runs; a
+        checkpoint that leaves out weights on purpose (``HFCausalLM``'s frozen trunk: ``mtp_keys_not_saved``) is
+        loaded without those keys, and refused if any other weight is missing."""
+        module = self.lightning_module
+        absent = getattr(module, "mtp_keys_not_saved", None)
+        path = Path(str(checkpoint_path))
+        if absent is None or not path.is_file() or not module.strict_loading:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+        allowed = absent(checkpoint)
+        if not allowed:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        missing = {name for name, _ in module.named_parameters()} - set(checkpoint.get("state_dict", {})) - allowed
+        if missing:
+            raise ValueError(f"--ckpt_path {str(path)!r} lacks weights of the model: {sorted(missing)[:4]}")
+        module.strict_loading = False  # the keys left out come from elsewhere (the pretrained folder)
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        finally:
+            module.strict_loading = True
 
     @override
     def setup(self, trainer: Any) -> None:

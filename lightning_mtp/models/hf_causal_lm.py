@@ -507,6 +507,12 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             checkpoint[HEADS_ONLY_KEY] = True
             checkpoint["trunk"] = _trunk_summary(self.trunk)
 
+    def mtp_keys_not_saved(self, checkpoint: dict) -> set[str]:
+        """The weights ``checkpoint`` leaves out on purpose: a frozen trunk's (they come from ``pretrained``)."""
+        if not checkpoint.get(HEADS_ONLY_KEY):
+            return set()
+        return {name for name, _ in self.named_parameters() if name.startswith(TRUNK_PREFIX)}
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refuse_other_layout(self.mtp_config.layout, checkpoint, "the checkpoint")
         if checkpoint.get(HEADS_ONLY_KEY) and "state_dict" in checkpoint:
