@@ -44,7 +44,7 @@ from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint, refuse_deepspeed_folder
-from lightning_mtp.cli_configs import bundled_configs, resolve_config_args
+from lightning_mtp.cli_configs import bundled_configs, resolve_config_args, with_checkpoint_config
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help
 from lightning_mtp.finite import TrainingDiverged, check_finite_state_dict
@@ -88,7 +88,8 @@ class MTPLightningCLI(LightningCLI):
             self._raw_args: list[str] = []
             self.config = parser.parse_object(args)
             return
-        self._raw_args = resolve_config_args([str(a) for a in (sys.argv[1:] if args is None else args)])
+        self._raw_args = resolve_config_args(with_checkpoint_config(
+            [str(a) for a in (sys.argv[1:] if args is None else args)]))
         refuse_optimizer_settings(self._raw_args)
         try:
             self.config = parser.parse_args(self._raw_args)

@@ -65,3 +65,25 @@ def resolve_config_args(args: list[str]) -> list[str]:
         elif token.startswith("--config="):
             resolved[i] = "--config=" + resolve_config(token.split("=", 1)[1])
     return resolved
+
+
+CHECKPOINT_SUBCOMMANDS = ("validate", "test", "predict")
+
+
+def with_checkpoint_config(args: list[str]) -> list[str]:
+    """``args``, with ``--config predict`` put first when a ``validate`` / ``test`` / ``predict`` of a checkpoint
+    names neither a config nor a model: the checkpoint decides the model and the data, the bundled ``predict`` config
+    gives the rest, so ``lightning-mtp validate --ckpt_path last.ckpt`` runs alone.
+
+    Example::
+
+        >>> with_checkpoint_config(["validate", "--ckpt_path", "last.ckpt"])
+        ['validate', '--config', 'predict', '--ckpt_path', 'last.ckpt']
+    """
+    if args[:1] and args[0] in CHECKPOINT_SUBCOMMANDS and any(
+            token == "--ckpt_path" or token.startswith("--ckpt_path=") for token in args) and not any(
+            token in ("--config", "-c", "--model", "--data") or token.startswith(("--config=", "--model=", "--data="))
+            for token in args):
+        return [args[0], "--config", "predict", *args[1:]]
+    return args
+

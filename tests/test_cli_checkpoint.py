@@ -156,3 +156,13 @@ def test_validate_uses_the_checkpoints_tokenizer_and_split(trained, tmp_path, ca
     main(args)
     assert "val/main/loss" in capsys.readouterr().out
     assert not (tmp_path / "cache" / "tokenizers").exists() and (tmp_path / "cache" / "tokens").exists()
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_validate_and_test_need_only_the_checkpoint(tiny_checkpoint, tmp_path, capsys, subcommand):
+    """README: `predict`, `validate`, `test` and `export` need only --ckpt_path (was: validate.model required)."""
+    workdir, ckpt = tiny_checkpoint
+    main([subcommand, "--ckpt_path", str(ckpt), "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches",
+          "1", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
+          "--data.init_args.cache_dir", str(workdir / "cache")])
+    assert f"{'val' if subcommand == 'validate' else 'test'}/loss" in capsys.readouterr().out
