@@ -438,6 +438,22 @@ def test_predict_batch_and_writer(models, tmp_path):
     assert stats["generation"]["temperature"] == 1.0
 
 
+def test_prediction_writer_records_the_prompts_own_indices(tmp_path):
+    """Under several processes each rank writes its share of the prompts (``generations.rank<N>.jsonl``): the
+    ``index`` is the prompt's own (Lightning's ``batch_indices``), so the files merge; it was counted per rank."""
+    from types import SimpleNamespace
+
+    writer = PredictionWriter(str(tmp_path / "out"))
+    rank1 = SimpleNamespace(global_rank=1, world_size=2)
+    writer.on_predict_start(rank1, None)
+    prediction = {"tokens": [[4], [5]], "texts": ["x", "y"], "prompt_text": ["p1", "p3"], "stats": None}
+    writer.write_on_batch_end(rank1, None, prediction, [1, 3], None, 0)
+    writer.write_on_batch_end(rank1, None, {**prediction, "tokens": [[6]], "texts": ["z"], "prompt_text": ["p5"]},
+                              None, None, 1)  # no indices known: counted on from the rows written
+    lines = (tmp_path / "out" / ".generations.rank1.jsonl.partial").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == [1, 3, 2]
+
+
 def test_predict_config_parses_with_the_cli(tmp_path):
     from lightning_mtp.cli import MTPLightningCLI
 
