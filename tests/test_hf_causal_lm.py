@@ -132,6 +132,22 @@ def test_speculative_greedy_equals_transformers_generate_batch_1(models, model_t
     assert our_tokens(model.generate(ids, max_new_tokens=24)) == hf_generate(model, ids)  # "auto"
 
 
+def test_generate_in_training_mode_decodes_without_dropout_and_keeps_the_mode():
+    """gpt2's dropout (0.1) made greedy decoding of a module left in training mode random and unequal to plain
+    decoding, silently; generate decodes in eval mode and puts training mode back."""
+    torch.manual_seed(0)
+    model = HFCausalLM("gpt2", dict(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=128),
+                       mtp=MTPConfig(depth=2))
+    model.configure_model()
+    ids = torch.tensor([[5, 9, 2, 7]])
+    model.eval()
+    reference = model.generate(ids, 16, speculative=False).sequences
+    model.train()
+    for speculative in (True, "auto", False, True):
+        assert torch.equal(model.generate(ids, 16, speculative=speculative).sequences, reference)
+        assert model.training and all(m.training for m in model.modules())
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_speculative_greedy_equals_transformers_generate_left_padded(models, model_type):
     model = models[model_type]

@@ -168,9 +168,16 @@ class MTPSteps:
         return out.loss
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs: Any):
-        """Self-speculative decoding with the MTP heads as drafters; see :func:`lightning_mtp.decoding.generate`."""
+        """Self-speculative decoding with the MTP heads as drafters; see :func:`lightning_mtp.decoding.generate`.
+        Decodes in eval mode (dropout off: otherwise greedy output would be random, and not plain decoding's), and
+        puts back the mode it was called in."""
         self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the whole call
-        return decoding.generate(self, input_ids, max_new_tokens, **kwargs)
+        training = self.training
+        self.eval()
+        try:
+            return decoding.generate(self, input_ids, max_new_tokens, **kwargs)
+        finally:
+            self.train(training)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict:
         """Generate for a batch of prompts; returns tokens, texts and decoding stats (``decoding.predict_batch``)."""
