@@ -438,6 +438,17 @@ def test_predict_batch_and_writer(models, tmp_path):
     assert stats["generation"]["temperature"] == 1.0
 
 
+def test_predict_takes_a_tensor_dataset_as_training_does(models):
+    """``trainer.predict`` over a ``TensorDataset`` (the batches ``fit`` took) used to fail in ``predict_batch``."""
+    model = models["cascaded"]
+    prompts = torch.tensor([[5, 9, 2, 7], [3, 1, 4, 1]])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(prompts), batch_size=2)
+    model.mtp_generate_kwargs = GenerationConfig(max_new_tokens=5).to_kwargs()
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (result,) = trainer.predict(model, loader)
+    assert result["tokens"] == [alone(model, row, 5) for row in prompts]
+
+
 def test_prediction_writer_records_the_prompts_own_indices(tmp_path):
     """Under several processes each rank writes its share of the prompts (``generations.rank<N>.jsonl``): the
     ``index`` is the prompt's own (Lightning's ``batch_indices``), so the files merge; it was counted per rank."""

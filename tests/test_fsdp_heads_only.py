@@ -25,8 +25,9 @@ def test_a_frozen_trunk_checkpoint_written_under_fsdp2_resumes_under_fsdp2(tmp_p
     corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     args = ["fit", "--config", "finetune", "--config", "fsdp", "--trainer.devices", "2",
             "--model.init_args.pretrained", str(folder), "--model.init_args.freeze_trunk", "true",
-            "--data.init_args.corpus", str(corpus), "--data.init_args.seq_len", "64", "--data.init_args.batch_size", "2",
-            "--data.init_args.num_proc", "1", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+            "--data.init_args.corpus", str(corpus), "--data.init_args.seq_len", "64",
+            "--data.init_args.batch_size", "2", "--data.init_args.num_proc", "1",
+            "--data.init_args.cache_dir", str(tmp_path / "cache"),
             "--trainer.val_check_interval", "1000", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
             "--trainer.callbacks.init_args.dirpath", str(tmp_path / "ckpt"), "--model.init_args.warmup_steps", "1"]

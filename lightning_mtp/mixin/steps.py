@@ -180,8 +180,12 @@ class MTPSteps:
             self.train(training)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict:
-        """Generate for a batch of prompts; returns tokens, texts and decoding stats (``decoding.predict_batch``)."""
+        """Generate for a batch of prompts; returns tokens, texts and decoding stats (``decoding.predict_batch``).
+        The batch is what ``training_step`` takes: a dict, a (B, T) tensor, or a tuple of them (a ``TensorDataset``'s:
+        the prompts first)."""
         self.mtp_whole_root()
+        if isinstance(batch, (list, tuple)):
+            batch = batch[0]
         return decoding.predict_batch(self, batch, **getattr(self, "mtp_generate_kwargs", {}))
 
     def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:
