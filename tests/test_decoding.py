@@ -386,6 +386,10 @@ def test_typical_acceptance_is_opt_in(models):
         ((torch.ones(1, 3, dtype=torch.long), 4), {"acceptance": "typical"}, "acceptance"),
         ((torch.ones(3, dtype=torch.long), 4), {}, r"input_ids must be a \(batch, length\) tensor"),
         ((torch.ones(1, 3), 4), {}, "input_ids must hold integer token ids"),
+        ((torch.ones(1, 3, dtype=torch.long), 4), {"attention_mask": [[1, 1, 1]]},
+         r"attention_mask must be a tensor of input_ids' shape \(1, 3\), got list"),
+        ((torch.ones(1, 3, dtype=torch.long), 4), {"attention_mask": torch.ones(1, 4)},
+         r"attention_mask must be a tensor of input_ids' shape \(1, 3\), got \(1, 4\)"),
     ],
 )
 def test_bad_input_raises_a_clear_error(models, args, kwargs, match):

@@ -71,9 +71,9 @@ def prepare_prompts(
     if attention_mask is None:
         mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
-        if tuple(attention_mask.shape) != (batch, length):
-            raise ValueError(f"attention_mask must have input_ids' shape {(batch, length)}, "
-                             f"got {tuple(attention_mask.shape)}")
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (batch, length):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape {(batch, length)}, got {got}")
         mask = attention_mask.to(device) != 0
     lengths = mask.sum(dim=1)  # (B,)
     if bool((lengths == 0).any()):
