@@ -386,6 +386,8 @@ def test_typical_acceptance_is_opt_in(models):
         ((torch.ones(1, 3, dtype=torch.long), 4), {"acceptance": "typical"}, "acceptance"),
         ((torch.ones(3, dtype=torch.long), 4), {}, r"input_ids must be a \(batch, length\) tensor"),
         ((torch.ones(1, 3), 4), {}, "input_ids must hold integer token ids"),
+        ((torch.ones(1, 3, dtype=torch.long), 4), {"speculative": True, "draft_tree": [VOCAB + 1]},
+         rf"draft_tree: {VOCAB + 1} candidates per node, more than the {VOCAB} token ids"),  # was a torch error
         ((torch.ones(1, 3, dtype=torch.long), 4), {"attention_mask": [[1, 1, 1]]},
          r"attention_mask must be a tensor of input_ids' shape \(1, 3\), got list"),
         ((torch.ones(1, 3, dtype=torch.long), 4), {"attention_mask": torch.ones(1, 4)},

@@ -130,11 +130,10 @@ class PredictionWriter(BasePredictionWriter):
                            dataloader_idx: int = 0) -> None:
         prompts = prediction.get("prompt_text") or [None] * len(prediction["tokens"])
         texts = prediction.get("texts") or [None] * len(prediction["tokens"])
-        # the prompts' own indices (under several processes each rank decodes its share; the files merge on them)
         indices = list(batch_indices) if batch_indices else range(self._rows, self._rows + len(prediction["tokens"]))
         with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
             for index, prompt, text, tokens in zip(indices, prompts, texts, prediction["tokens"]):
-                record = {"index": int(index), "prompt": prompt, "completion": text, "tokens": tokens}
+                record = {"index": int(index), "prompt": prompt, "completion": text, "tokens": tokens}  # prompt's own
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
                 self._rows += 1
         self._stats.append(prediction["stats"])

@@ -76,6 +76,9 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     modules = module.require_mtp_modules()
     depth = len(modules)
     trees = supports_trees(host) and module.mtp_config.layout != "native"  # native blocks draft chains only
+    widest = max(getattr(config.tree_shape(depth), "branching", None) or [0])
+    if widest > host.vocab_size:  # top-k of more candidates than there are tokens
+        raise ValueError(f"draft_tree: {widest} candidates per node, more than the {host.vocab_size} token ids")
     if module.mtp_config.layout == "native" and config.tree_shape(depth) is not None:
         raise ValueError(
             f"native MTP layers (MTPConfig.layout='native') draft chains of at most D={depth} tokens, one per layer: "
