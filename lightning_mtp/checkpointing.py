@@ -200,19 +200,25 @@ def deepspeed_model_states(folder: Path, path: Any, flag: str) -> Path:
         ValueError: the folder is neither a DeepSpeed checkpoint nor a sharded FSDP2 one, or a shard is unreadable.
     """
     tag_folder = deepspeed_tag_folder(folder)
-    found = [tag_folder / name for name in DEEPSPEED_MODEL_STATES if (tag_folder / name).is_file()]
-    if not found:
+    found = rank0_model_states(folder)
+    if found is None:
         raise ValueError(f"{flag} {str(path)!r} is a directory but not a DeepSpeed checkpoint (neither "
                          f"{' nor '.join(DEEPSPEED_MODEL_STATES)} under {tag_folder.name}/) nor a sharded FSDP2 one "
                          "(no meta.pt): give a checkpoint file or a directory written by a DeepSpeed or FSDP2 fit")
     check_shards(tag_folder, path, flag)
-    return found[0]
+    return found
 
 
 def deepspeed_tag_folder(folder: Path) -> Path:
     """The folder of a DeepSpeed checkpoint's shards: the tag named in ``latest`` (Lightning's is ``checkpoint``)."""
     tag_file = folder / "latest"
     return folder / (tag_file.read_text().strip() if tag_file.is_file() else "checkpoint")
+
+
+def rank0_model_states(folder: Path) -> Optional[Path]:
+    """Rank 0's module-states file (:data:`DEEPSPEED_MODEL_STATES`) in ``folder``'s tag folder; ``None``: none."""
+    tag_folder = deepspeed_tag_folder(folder)
+    return next((tag_folder / name for name in DEEPSPEED_MODEL_STATES if (tag_folder / name).is_file()), None)
 
 
 def check_shards(tag_folder: Path, path: Any, flag: str) -> None:
@@ -279,9 +285,7 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
 def is_deepspeed_folder(path: Any) -> bool:
     """Whether ``path`` is a DeepSpeed checkpoint folder (any ZeRO stage)."""
     folder = Path(path)
-    if not folder.is_dir() or (folder / "meta.pt").is_file():
-        return False
-    return any((deepspeed_tag_folder(folder) / name).is_file() for name in DEEPSPEED_MODEL_STATES)
+    return folder.is_dir() and not (folder / "meta.pt").is_file() and rank0_model_states(folder) is not None
 
 
 def refuse_deepspeed_folder(path: Any, flag: str = "--ckpt_path", use: str = "predict") -> None:

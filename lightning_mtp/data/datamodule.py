@@ -243,12 +243,12 @@ class TextDataModule(L.LightningDataModule):
         """The tokenizer, built on first use: BPE is trained on the train split, or loaded from the cache; unset, the
         model folder's own (see ``tokenizer``)."""
         if self._tokenizer is None:
-            if self.tokenizer_kind is None:
-                self.tokenizer_kind = self._model_folder() or "bpe"
-            elif self.tokenizer_kind in ("bpe", "byte") and self._model_folder():
-                kind = self.tokenizer_kind
+            folder, kind = self._model_folder(), self.tokenizer_kind
+            if kind is None:
+                self.tokenizer_kind = folder or "bpe"
+            elif kind in ("bpe", "byte") and folder:
                 raise ValueError(
-                    f"--data.tokenizer {kind}: the model is loaded from {self._model_folder()!r}, which has its own "
+                    f"--data.tokenizer {kind}: the model is loaded from {folder!r}, which has its own "
                     f"tokenizer, and its embedding rows mean that tokenizer's ids, not {kind} ones: leave "
                     "--data.tokenizer unset (null: the model folder's tokenizer) or give the folder")
             if self.tokenizer_kind == "bpe" and self.records is not None:
