@@ -19,7 +19,7 @@ elsewhere (the model shifts). **Packed** (the default for text): documents are c
 tokens with ``position_ids`` restarting at each document (a document longer than a row continues in the next with
 positions from 0), as ``DataCollatorWithFlattening`` lays them out; the model keeps targets and attention inside a
 document. **Padded** (the default for chat): one record per row, cut at ``seq_len``, right-padded in the batch with an
-``attention_mask``.
+``attention_mask``. Both layouts: :mod:`~lightning_mtp.data.record_rows`.
 
 Example::
 
@@ -41,17 +41,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
 from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import CORPUS_FLAG, is_glob
+from lightning_mtp.data.record_rows import IGNORE_INDEX, PackedRows, PadCollator, RecordRows, pack, warn_cut_records
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 """File types read as records (``datasets`` builders: json, parquet, csv, text by document)."""
 TRAIN_ON = ("all", "assistant")
-IGNORE_INDEX = -100
 _FORMAT_VERSION = 1
 """Bump when tokenization or packing changes, so old caches are not reused."""
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -322,132 +321,6 @@ def _check_messages(messages: Any) -> None:
             for m in messages):
         raise ValueError(f"--data.messages_field: a chat record must be a list of {{'role': str, 'content': str}} "
                          f"turns, got {str(messages)[:120]}")
-
-
-# ----------------------------------------------------------------------------------------------- rows
-def pack(records: Any, seq_len: int, folder: Path) -> Path:
-    """Concatenate the records' documents into rows of ``seq_len`` (``ids.npy``, ``labels.npy``,
-    ``positions.npy``: (rows, seq_len) each, memory-mapped), positions restarting at each document and each row;
-    the tail that does not fill a row is dropped. Returns ``folder``."""
-    done = folder / "packed.json"
-    if done.is_file():
-        return folder
-    total = int(sum(records["length"]))
-    rows = total // seq_len
-    if rows == 0:
-        raise ValueError(f"--data.seq_len: the records hold {total} tokens, fewer than one row of --data.seq_len="
-                         f"{seq_len}: use more data or a smaller --data.seq_len")
-    folder.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.lib.format.open_memmap(folder / f"{name}.npy.partial", mode="w+", dtype=np.int64,
-                                              shape=(rows * seq_len,)) for name in ("ids", "labels", "positions")}
-    at = 0
-    for ids, labels in _documents(records):
-        take = min(len(ids), rows * seq_len - at)
-        if take <= 0:
-            break
-        arrays["ids"][at : at + take] = ids[:take]
-        arrays["labels"][at : at + take] = labels[:take]
-        offsets = np.arange(at, at + take)
-        starts = np.maximum(at, offsets - offsets % seq_len)  # restart at the document's start or the row's
-        arrays["positions"][at : at + take] = offsets - starts
-        at += take
-    for name, array in arrays.items():
-        array.flush()
-        del array
-        os.replace(folder / f"{name}.npy.partial", folder / f"{name}.npy")
-    atomic_write(done, lambda fh: fh.write(json.dumps({"rows": rows, "seq_len": seq_len}).encode("utf-8")))
-    return folder
-
-
-def _documents(records: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    for batch in records.iter(batch_size=1024):
-        for ids, labels in zip(batch["input_ids"], batch["labels"]):
-            yield np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
-
-
-def warn_cut_records(records: Any, seq_len: int) -> None:
-    """Say how many records one row cannot hold (they are cut at ``seq_len``), and how many of those lose every
-    trained token (a chat whose answer starts after ``seq_len``)."""
-    lengths = np.asarray(records["length"])
-    cut = np.flatnonzero(lengths > seq_len)
-    if cut.size == 0:
-        return
-    lost = sum(1 for labels in records.select(cut.tolist())["labels"]
-               if all(label == IGNORE_INDEX for label in labels[:seq_len]))
-    if lost == len(lengths):
-        raise ValueError(f"--data.seq_len: every training record is longer than --data.seq_len={seq_len} and loses "
-                         f"every trained token when cut there (the longest has {int(lengths.max())} tokens): raise "
-                         "--data.seq_len, or pack them (--data.packing true)")
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(f"--data.seq_len: {cut.size} of {len(lengths)} training records are longer than "
-                   f"--data.seq_len={seq_len} and are cut there ({lost} of them lose every trained token); the "
-                   f"longest has {int(lengths.max())} tokens: raise --data.seq_len, or pack them "
-                   "(--data.packing true) to keep every token")
-
-
-class PackedRows(Dataset):
-    """Rows of packed documents: ``{"input_ids", "labels", "position_ids"}``, each ``LongTensor[seq_len]``."""
-
-    def __init__(self, folder: Path, seq_len: int) -> None:
-        self.seq_len = seq_len
-        self.ids, self.labels, self.positions = (np.load(folder / f"{n}.npy", mmap_mode="r")
-                                                 for n in ("ids", "labels", "positions"))
-
-    def __len__(self) -> int:
-        return len(self.ids) // self.seq_len
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"row {index} out of range for {len(self)} rows")
-        span = slice(index * self.seq_len, (index + 1) * self.seq_len)
-        return {"input_ids": torch.from_numpy(np.array(self.ids[span])),
-                "labels": torch.from_numpy(np.array(self.labels[span])),
-                "position_ids": torch.from_numpy(np.array(self.positions[span]))}
-
-
-class RecordRows(Dataset):
-    """One record per row, cut at ``seq_len``: ``{"input_ids", "labels"}`` of its own length (padded in batches by
-    :class:`PadCollator`)."""
-
-    def __init__(self, records: Any, seq_len: int) -> None:
-        self.records, self.seq_len = records.with_format("numpy", columns=["input_ids", "labels"]), seq_len
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.records[int(index)]
-        return {"input_ids": torch.as_tensor(row["input_ids"][: self.seq_len], dtype=torch.long),
-                "labels": torch.as_tensor(row["labels"][: self.seq_len], dtype=torch.long)}
-
-
-class PadCollator:
-    """Right-pads rows to the batch's longest: ``input_ids`` with ``pad_id``, ``labels`` with -100, and an
-    ``attention_mask`` of 1 on real tokens.
-
-    Example::
-
-        >>> batch = PadCollator(pad_id=0)([{"input_ids": torch.tensor([5, 6]), "labels": torch.tensor([5, 6])},
-        ...                                {"input_ids": torch.tensor([7]), "labels": torch.tensor([-100])}])
-        >>> batch["input_ids"].tolist(), batch["labels"].tolist(), batch["attention_mask"].tolist()
-        ([[5, 6], [7, 0]], [[5, 6], [-100, -100]], [[1, 1], [1, 0]])
-    """
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        width = max(len(row["input_ids"]) for row in rows)
-        batch = {"input_ids": torch.full((len(rows), width), self.pad_id, dtype=torch.long),  # (B, T)
-                 "labels": torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long),
-                 "attention_mask": torch.zeros(len(rows), width, dtype=torch.long)}
-        for i, row in enumerate(rows):
-            n = len(row["input_ids"])
-            batch["input_ids"][i, :n] = row["input_ids"]
-            batch["labels"][i, :n] = row["labels"]
-            batch["attention_mask"][i, :n] = 1
-        return batch
 
 
 # ----------------------------------------------------------------------------------------------- the corpus
