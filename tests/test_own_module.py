@@ -365,3 +365,17 @@ if __name__ == "__main__":
 
     deepspeed.comm.torch.build_shm_op = lambda: None  # plain gloo collectives; skip the shared-memory op's C++ build
     run_zero3(Path(sys.argv[1]))
+
+
+def test_a_checkpoint_rebuilds_the_readme_module_from_its_path_alone(example, tmp_path):
+    """The README's module saves its hyperparameters, so ``load_from_checkpoint`` (and ``predict --ckpt_path``) build
+    it at the trained sizes, not the defaults (vocabulary 32000, width 512), and decode as the trained module does."""
+    namespace, model = example
+    trainer = quiet_trainer(0)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "mylm.ckpt")
+    restored = namespace["MyLM"].load_from_checkpoint(tmp_path / "mylm.ckpt").eval()
+    assert restored.embed.num_embeddings == VOCAB and restored.head.in_features == DIM
+    prompt = torch.tensor([[1, 2, 3, 5]])
+    assert restored.generate(prompt, 8, speculative=True).new_tokens.tolist() == \
+        model.generate(prompt, 8, speculative=False).new_tokens.tolist()
