@@ -276,7 +276,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused_naming_both_sizes(tmp_path
     dm = datamodule(write_jsonl(tmp_path / "code.jsonl", text_records(20)), folder, tmp_path)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False)
-    with pytest.raises(ValueError, match=r"the data's vocabulary \(\d+ tokens.*\) is larger than the model's \(300"):
+    with pytest.raises(ValueError, match=r"the data's vocabulary \(\d+ tokens.*\) is larger than the model's \(300, "
+                                         r"--model.init_args.config.vocab_size\)"):
         trainer.fit(small, dm)
 
 

@@ -117,6 +117,10 @@ class MTPHostContract:
         """The flag or field that sets :meth:`mtp_max_sequence_length`, for error messages."""
         return f"{type(self).__name__}.mtp_max_sequence_length()"
 
+    def mtp_vocab_flag(self) -> str:
+        """The flag or field that sets the model's vocabulary size, for error messages."""
+        return f"{type(self).__name__}.mtp_vocab_size()"
+
 
 def takes_position_ids(method) -> bool:
     """Whether ``method`` (a host's ``mtp_trunk_hidden_states``) has a parameter named ``position_ids``; a bare

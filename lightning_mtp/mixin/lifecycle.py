@@ -37,7 +37,7 @@ class MTPLifecycle:
         if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
             raise ValueError(
                 f"the data's vocabulary ({data_vocab} tokens, --data.vocab_size / --data.tokenizer) is larger than "
-                f"the model's ({model_vocab}, --model.vocab_size)"
+                f"the model's ({model_vocab}, {self.mtp_vocab_flag()})"
             )
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len < self.mtp_config.depth + 2:

@@ -214,6 +214,9 @@ class CausalLM(MTPMixin, L.LightningModule):
     def mtp_context_flag(self) -> str:
         return "--model.init_args.model.max_seq_len"
 
+    def mtp_vocab_flag(self) -> str:
+        return "--model.init_args.model.vocab_size"
+
     # ----------------------------------------------------------------- trunk
     def forward(
         self,

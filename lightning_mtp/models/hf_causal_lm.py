@@ -444,6 +444,11 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def mtp_context_flag(self) -> str:
         return "the transformers config's max_position_embeddings, --model.init_args.config.max_position_embeddings"
 
+    def mtp_vocab_flag(self) -> str:
+        if self.pretrained is not None:
+            return f"the output embedding of {self.pretrained}: resize it to the tokenizer (resize_token_embeddings)"
+        return "--model.init_args.config.vocab_size"
+
     @property
     def max_context(self) -> int:
         """Prompt + generation budget: verification addresses D positions past it, which must still be valid
