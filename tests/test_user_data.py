@@ -147,6 +147,23 @@ def test_the_tokenized_records_are_cached(tok_dir, tmp_path, monkeypatch):
     assert len(dm.train_dataset) > 0
 
 
+def test_a_model_folder_with_a_long_name_tokenizes_in_several_processes(tok_dir, tmp_path):
+    """``datasets`` caps a map's fingerprint at 64 characters, shard suffixes included: a tokenizer folder named like
+    a real model (``Meta-Llama-3.1-8B-Instruct``) must still tokenize with ``num_proc=2``, into the same rows as one
+    process gives."""
+    import shutil
+
+    folder = shutil.copytree(tok_dir, tmp_path / "models" / "Meta-Llama-3.1-8B-Instruct")
+    corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(600))
+    two = datamodule(corpus, folder, tmp_path, num_proc=2, cache_dir=str(tmp_path / "two"))
+    two.setup("fit")
+    one = datamodule(corpus, folder, tmp_path, num_proc=1, cache_dir=str(tmp_path / "one"))
+    one.setup("fit")
+    assert len(two.train_dataset) > 0
+    assert [row["input_ids"].tolist() for row in all_rows(two.train_dataset)] == \
+        [row["input_ids"].tolist() for row in all_rows(one.train_dataset)]
+
+
 def test_chat_prompts_are_rendered_with_the_generation_prompt(tok_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write f."}]}) + "\n"

@@ -255,13 +255,16 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     encode = _ChatEncoder(tokenizer, settings.messages_field, train_on == "assistant") if chat else _TextEncoder(
         tokenizer, settings.text_field)
     procs = num_proc if num_proc is not None else max(1, min(4, os.cpu_count() or 1))
+    # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
+    # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
+    stem = hashlib.sha1(folder.name.encode("utf-8")).hexdigest()[:16]
     out = {}
     for name, part in (("train", train), ("val", val)):
         mapped = part.map(encode, batched=True, remove_columns=part.column_names, desc=f"tokenizing {name}",
                           num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
-                          new_fingerprint=f"{folder.name}-{name}")
+                          new_fingerprint=f"{stem}-{name}")
         mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"], batched=True,
-                               new_fingerprint=f"{folder.name}-{name}-nonempty")
+                               new_fingerprint=f"{stem}-{name}-nonempty")
         if len(mapped) < len(part):
             from lightning.pytorch.utilities import rank_zero_warn
 
