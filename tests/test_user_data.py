@@ -333,3 +333,36 @@ def test_a_local_tokenizer_for_a_model_folder_with_its_own_is_refused(tmp_path, 
     with pytest.raises(ValueError, match=rf"^--data.tokenizer {kind}: the model is loaded from .*model', which has "
                                          r"its own tokenizer.*leave --data.tokenizer unset"):
         trainer.fit(model, dm)
+
+
+def test_another_folders_tokenizer_for_a_model_with_its_own_is_refused_unless_its_ids_agree(tmp_path):
+    """A tokenizer folder whose ids differ from the model folder's would feed the embedding rows other tokens'
+    ids; one with the same ids and another chat template (a base model's tokenizer given a template) is taken."""
+    import lightning as L
+
+    from lightning_mtp import MTPConfig
+    from lightning_mtp.models import HFCausalLM
+
+    folder = model_folder(tmp_path / "model", template=None)
+    other = tokenizer_folder(tmp_path / "other", texts=[r["text"] for r in text_records(40)])  # other merges
+    templated = tmp_path / "templated"  # the model's own tokenizer, given a chat template
+    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(templated))
+    config = json.loads((templated / "tokenizer_config.json").read_text())
+    config["chat_template"] = PLAIN_TEMPLATE
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    corpus = write_jsonl(tmp_path / "code.jsonl", text_records(40))
+
+    def fit(tokenizer):
+        dm = TextDataModule(corpus=str(corpus), tokenizer=str(tokenizer), seq_len=32, batch_size=4,
+                            cache_dir=str(tmp_path / "cache"), num_proc=1)
+        trainer = L.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=1)), dm)
+        return dm
+
+    with pytest.raises(ValueError, match=r"^--data.tokenizer .*other: the model is loaded from .*model', whose "
+                                         r"embedding rows mean its own tokenizer's ids.*\d+ of the model's 320 tokens "
+                                         r"differ, the first .*leave --data.tokenizer unset"):
+        fit(other)
+    assert fit(templated).tokenizer.hf.chat_template == PLAIN_TEMPLATE
+    assert fit(folder).tokenizer.fingerprint == load_pretrained_tokenizer(str(folder)).fingerprint

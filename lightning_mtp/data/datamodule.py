@@ -44,7 +44,12 @@ from lightning_mtp.data.corpus import (
     plan_splits,
 )
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
-from lightning_mtp.data.pretrained_tokenizer import check_tokenizer_path, is_tokenizer_path
+from lightning_mtp.data.pretrained_tokenizer import (
+    check_tokenizer_path,
+    is_tokenizer_path,
+    load_pretrained_tokenizer,
+    other_ids,
+)
 from lightning_mtp.data.prompts import (
     PROMPTS_FLAG,
     PromptCollator,
@@ -258,7 +263,21 @@ class TextDataModule(L.LightningDataModule):
                 train = self.corpus_splits()[0] if self.tokenizer_kind == "bpe" else []
                 self._tokenizer = build_tokenizer(self.tokenizer_kind, train, self.requested_vocab_size,
                                                   self.cache_dir)
+            if folder and kind is not None and is_tokenizer_path(kind):
+                self._refuse_other_ids(folder, kind)
         return self._tokenizer
+
+    def _refuse_other_ids(self, folder: str, kind: str) -> None:
+        """A tokenizer given for a model folder that has its own must map the folder's tokens to the same ids: the
+        embedding rows mean those ids (it may add tokens or another chat template)."""
+        if Path(kind).expanduser().resolve() == Path(folder).expanduser().resolve():
+            return
+        problem = other_ids(self._tokenizer, load_pretrained_tokenizer(folder))
+        if problem is not None:
+            raise ValueError(
+                f"--data.tokenizer {kind}: the model is loaded from {folder!r}, whose embedding rows mean its own "
+                f"tokenizer's ids, and this tokenizer gives other ids ({problem}): leave --data.tokenizer unset "
+                "(null: the model folder's tokenizer) or give one with the same ids")
 
     def _model_folder(self) -> Optional[str]:
         """The local folder the trainer's model was loaded from, when it holds a tokenizer."""

@@ -85,6 +85,20 @@ def load_pretrained_tokenizer(path: str, **special_tokens: str) -> PretrainedTok
     return PretrainedTokenizer(hf, name=target.name if target.is_dir() else target.parent.name or target.stem)
 
 
+def other_ids(given: PretrainedTokenizer, own: PretrainedTokenizer) -> Optional[str]:
+    """How ``given`` maps ``own``'s tokens to other ids, or ``None`` when it maps every one of them as ``own`` does
+    (it may add tokens, or differ in its chat template): the first token whose id differs or that it lacks, and how
+    many do."""
+    mine, theirs = own.hf.get_vocab(), given.hf.get_vocab()
+    differ = sorted((index, token) for token, index in mine.items() if theirs.get(token) != index)
+    if not differ:
+        return None
+    index, token = differ[0]
+    there = theirs.get(token)
+    return (f"{len(differ)} of the model's {len(mine)} tokens differ, the first {token!r}: id {index} in the "
+            f"model's tokenizer, " + ("absent from this one" if there is None else f"id {there} in this one"))
+
+
 def _transformers() -> Any:
     try:
         import transformers
