@@ -403,6 +403,28 @@ def test_heads_for_another_trunk_are_refused(tmp_path):
         other.load_mtp_heads(str(heads))
 
 
+def test_heads_trained_over_a_folder_are_refused_when_its_weights_changed(tmp_path):
+    """A heads-only checkpoint gets its trunk from the ``pretrained`` folder: a folder replaced by another model of
+    the same shapes (or trained further) would silently pair the heads with weights they never saw."""
+    folder = tmp_path / "base"
+    hf_model("llama", depth=2).trunk.save_pretrained(folder)
+    model = HFCausalLM(pretrained=str(folder), freeze_trunk=True, mtp=MTPConfig(depth=2), warmup_steps=0)
+    trainer = _fit(model, tmp_path)
+    trainer.save_checkpoint(tmp_path / "heads.ckpt")
+    model.save_mtp_heads(str(tmp_path / "heads.pt"))
+    assert torch.load(tmp_path / "heads.ckpt", weights_only=True)["trunk"]["pretrained"] == str(folder)
+    HFCausalLM.load_from_checkpoint(tmp_path / "heads.ckpt", weights_only=True)  # the same folder: taken
+
+    torch.manual_seed(7)  # the same architecture, other weights, in the same folder
+    HFCausalLM("llama", {**CONFIGS["llama"], "bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": 0},
+               mtp=MTPConfig(depth=2)).trunk.save_pretrained(folder)
+    changed = r"trained over the weights loaded from .*base'.*has other weights \(another model, or the folder changed"
+    with pytest.raises(ValueError, match=changed):
+        HFCausalLM.load_from_checkpoint(tmp_path / "heads.ckpt", weights_only=True)
+    with pytest.raises(ValueError, match=changed):
+        HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.pt")).configure_model()
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_fits_with_the_hf_llama_config(tmp_path):
     from lightning_mtp.cli import main

@@ -70,6 +70,7 @@ from lightning_mtp.models.hf_trunk import (
     packing_support_problem,
     plain_config,
     trunk_summary,
+    weights_fingerprint,
 )
 from lightning_mtp.native import build_native_modules, keep_fp32
 from lightning_mtp.native.checkpoint import NativeImportReport, import_native_layers, refuse_other_layout
@@ -131,6 +132,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         self._logit_transform = logit_transform_of(trunk)  # refuses logit transforms we cannot reproduce
         self.trunk = trunk
         self.pretrained = pretrained
+        # what a heads-only checkpoint's trunk must be: the folder's weights as loaded now (trunk_summary)
+        self._trunk_weights = weights_fingerprint(trunk) if pretrained is not None else None
         self.mtp_native_report: Optional[NativeImportReport] = None
         if self.mtp_config.layout != "native":
             check_block_spec(self.mtp_block_spec(), type(self).__name__)  # before training, naming the flag
@@ -315,12 +318,12 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def save_mtp_heads(self, path: str) -> None:
         """Write the MTP weights and metadata only (``torch.load(weights_only=True)`` reads it)."""
         torch.save({"state_dict": self.mtp_state_dict(), checkpointing.CHECKPOINT_KEY: checkpointing.mtp_metadata(self),
-                    HEADS_ONLY_KEY: True, "trunk": trunk_summary(self.trunk)}, path)
+                    HEADS_ONLY_KEY: True, "trunk": self._trunk_summary()}, path)
 
     def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        self._checktrunk_summary(checkpoint, path)
+        self._check_trunk_summary(checkpoint, path)
         refuse_other_layout(self.mtp_config.layout, checkpoint, path)
         state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if not k.startswith(TRUNK_PREFIX)}
         checkpoint = {**checkpoint, "state_dict": state}
@@ -332,12 +335,21 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         checkpointing.restore_runtime_state(self, checkpoint, schedule=False)  # weights only: a new run's schedule
         return report
 
-    def _checktrunk_summary(self, checkpoint: dict, path: str) -> None:
-        saved, own = checkpoint.get("trunk"), trunk_summary(self.trunk)
+    def _trunk_summary(self) -> dict:
+        return trunk_summary(self.trunk, self._trunk_weights, self.pretrained)
+
+    def _check_trunk_summary(self, checkpoint: dict, path: str) -> None:
+        """Refuse MTP heads trained over another trunk: other sizes, or (both loaded from folders) other weights."""
+        saved, own = checkpoint.get("trunk"), self._trunk_summary()
         if saved and (saved["hidden_size"], saved["vocab_size"]) != (own["hidden_size"], own["vocab_size"]):
             raise ValueError(f"{path} holds MTP heads for a {saved['class']} (hidden {saved['hidden_size']}, vocab "
                              f"{saved['vocab_size']}), but this trunk is a {own['class']} (hidden "
                              f"{own['hidden_size']}, vocab {own['vocab_size']})")
+        if saved and saved.get("weights") and own.get("weights") and saved["weights"] != own["weights"]:
+            raise ValueError(f"{path} holds MTP heads trained over the weights loaded from {saved['pretrained']!r}, "
+                             f"but the trunk loaded from {self.pretrained!r} has other weights (another model, or "
+                             "the folder changed since): give the folder the heads were trained on, or train new "
+                             "heads on this one")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
@@ -345,7 +357,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if not k.startswith(TRUNK_PREFIX)}
             checkpoint[HEADS_ONLY_KEY] = True
-            checkpoint["trunk"] = trunk_summary(self.trunk)
+            checkpoint["trunk"] = self._trunk_summary()
 
     def mtp_keys_not_saved(self, checkpoint: dict) -> set[str]:
         """The weights ``checkpoint`` leaves out on purpose: a frozen trunk's (they come from ``pretrained``)."""
@@ -357,7 +369,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         refuse_other_layout(self.mtp_config.layout, checkpoint, "the checkpoint")
         if checkpoint.get(HEADS_ONLY_KEY) and "state_dict" in checkpoint:
             # The trunk comes from `pretrained`; fill its keys so that Lightning's strict load succeeds.
-            self._checktrunk_summary(checkpoint, "the checkpoint")
+            self._check_trunk_summary(checkpoint, "the checkpoint")
             own = {k: v for k, v in self.state_dict().items() if k.startswith(TRUNK_PREFIX)}
             checkpoint["state_dict"] = {**own, **checkpoint["state_dict"]}
         super().on_load_checkpoint(checkpoint)

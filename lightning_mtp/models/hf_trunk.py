@@ -15,12 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import os
 import re
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from lightning_mtp.loss import LogitTransform
@@ -217,9 +219,40 @@ def plain_config(config: Any) -> dict:
     return {k: v for k, v in plain.items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
 
 
-def trunk_summary(model: nn.Module) -> dict:
-    """What a heads-only checkpoint records of its trunk (class, model type, hidden and vocabulary sizes), to
-    refuse heads trained on another trunk."""
+def trunk_summary(model: nn.Module, weights: Optional[str] = None, pretrained: Optional[str] = None) -> dict:
+    """What a heads-only checkpoint records of its trunk (class, model type, hidden and vocabulary sizes, and the
+    :func:`weights_fingerprint` of the folder it was loaded from), to refuse heads trained on another trunk."""
     cfg = model.config.get_text_config()
-    return {"class": type(model).__name__, "model_type": model.config.model_type,
-            "hidden_size": int(cfg.hidden_size), "vocab_size": int(model.get_output_embeddings().out_features)}
+    summary = {"class": type(model).__name__, "model_type": model.config.model_type,
+               "hidden_size": int(cfg.hidden_size), "vocab_size": int(model.get_output_embeddings().out_features)}
+    if weights is not None:
+        summary.update(weights=weights, pretrained=pretrained)
+    return summary
+
+
+FINGERPRINT_SAMPLES = 64
+"""Evenly spaced values of each weight that :func:`weights_fingerprint` hashes."""
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A hash of every weight's name, shape and :data:`FINGERPRINT_SAMPLES` evenly spaced values (as float32): cheap
+    at any model size, and different for another model of the same shapes or a folder trained further (training
+    moves every value). Not a hash of every byte: two weights that differ only between the samples hash alike.
+
+    Example::
+
+        >>> import torch
+        >>> layer = nn.Linear(4, 4)
+        >>> before = weights_fingerprint(layer)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.add_(1e-3)
+        >>> before == weights_fingerprint(layer), len(before)
+        (False, 16)
+    """
+    digest = hashlib.sha1()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(flat.numel() // FINGERPRINT_SAMPLES, 1)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(flat[::step][:FINGERPRINT_SAMPLES].to(device="cpu", dtype=torch.float32).numpy().tobytes())
+    return digest.hexdigest()[:16]
