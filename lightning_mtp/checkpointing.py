@@ -328,6 +328,9 @@ def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_fro
     if "state_dict" not in checkpoint:
         checkpoint = {"state_dict": checkpoint}
     report = reconcile_state_dict(module, checkpoint, resuming=False)
+    complete = getattr(module, "mtp_complete_checkpoint", None)  # HFCausalLM: a frozen trunk's keys, its checks
+    if complete is not None:
+        complete(checkpoint, f"{flag} {path}")
     missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
     missing = [k for k in missing if not _is_mtp_key(k)]
     if missing or unexpected:

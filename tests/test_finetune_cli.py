@@ -89,3 +89,27 @@ def test_native_layers_are_fine_tuned_and_exported_with_the_tokenizer(tmp_path):
     assert exported.config.num_nextn_predict_layers == 1
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
     assert tokenizer.chat_template and len(tokenizer) == 320
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["full", "heads-only"])
+def test_a_new_fit_starts_from_a_checkpoints_weights_with_init_from(tmp_path, frozen):
+    """Resuming with another learning rate is refused, pointing to ``--model.init_args.init_from``; that flag then
+    starts a new fit (new schedule, step 0) from the checkpoint's weights, a frozen trunk's heads-only one too."""
+    folder = model_folder(tmp_path / "model")
+    corpus = write_jsonl(tmp_path / "code.jsonl", text_records(60))
+    freeze = ["--model.init_args.freeze_trunk", "true"] if frozen else []
+    main(finetune_args(tmp_path / "run", folder, corpus, *freeze))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    with pytest.raises(SystemExit):  # the CLI's one-line refusal, exit status 2
+        main(finetune_args(tmp_path / "run", folder, corpus, *freeze, "--model.init_args.learning_rate", "1e-12",
+                           "--ckpt_path", str(ckpt)))
+
+    main(finetune_args(tmp_path / "new", folder, corpus, *freeze, "--model.init_args.learning_rate", "1e-12",
+                       "--model.init_args.init_from", str(ckpt), "--trainer.max_steps", "2"))
+    before = torch.load(ckpt, weights_only=True)
+    after = torch.load(tmp_path / "new" / "ckpt" / "last.ckpt", weights_only=True)
+    assert after["global_step"] == 2 and before["global_step"] == 4
+    assert set(after["state_dict"]) == set(before["state_dict"])
+    assert any(key.startswith("trunk.") for key in after["state_dict"]) is not frozen
+    for key, value in before["state_dict"].items():  # a learning rate of 1e-12 moves nothing measurably
+        torch.testing.assert_close(after["state_dict"][key], value, atol=1e-6, rtol=0)

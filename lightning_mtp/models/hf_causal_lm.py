@@ -47,6 +47,7 @@ MTP weights and metadata; ``HFCausalLM(pretrained=..., mtp_heads="heads.pt")`` r
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict
 from typing import Any, Optional, Union
 
@@ -96,6 +97,9 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         save_trunk: keep the trunk's weights in Lightning checkpoints (default: ``not freeze_trunk``).
         mtp_heads: a heads-only checkpoint (:meth:`save_mtp_heads`, or a fit with ``freeze_trunk``) loaded into the
             MTP modules when they are built.
+        init_from: a checkpoint of a fit (full, or heads-only over the same ``pretrained`` trunk) whose weights start
+            this fit; unlike ``--ckpt_path`` it does not resume optimizer or loop state, so the learning rate,
+            schedule and steps may change.
         learning_rate: AdamW peak learning rate.
         weight_decay: AdamW decoupled weight decay on matrices (not on norms, biases or embeddings).
         warmup_steps: linear warmup, then cosine decay to 10% over the run.
@@ -113,6 +117,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         freeze_trunk: bool = False,
         save_trunk: Optional[bool] = None,
         mtp_heads: Optional[str] = None,
+        init_from: Optional[str] = None,
         learning_rate: float = 1e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 100,
@@ -140,6 +145,9 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         self.freeze_trunk = freeze_trunk
         self.save_trunk = (not freeze_trunk) if save_trunk is None else save_trunk
         self.mtp_heads = mtp_heads
+        if init_from is not None and not os.path.exists(init_from):
+            raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
+        self.init_from = init_from
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
         generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
         self.generation_config = generation or GenerationConfig()
@@ -155,7 +163,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             model_type, config = trunk.config.model_type, plain_config(trunk.config)
         self.save_hyperparameters({
             "model_type": model_type, "config": config, "pretrained": pretrained, "mtp": asdict(self.mtp_config),
-            "freeze_trunk": freeze_trunk, "save_trunk": save_trunk, "mtp_heads": mtp_heads,
+            "freeze_trunk": freeze_trunk, "save_trunk": save_trunk, "mtp_heads": mtp_heads, "init_from": init_from,
             "learning_rate": learning_rate, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
             "attn_implementation": attn_implementation, "generation": asdict(self.generation_config),
         })
@@ -181,6 +189,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
                     rank_zero_info(self.mtp_native_report.summary())
             if self.mtp_heads:
                 self.mtp_load_report = self.load_mtp_heads(self.mtp_heads)
+            if self.init_from and self._trainer is not None:  # a fit, not load_from_checkpoint
+                self.mtp_load_report = checkpointing.load_weights(self, self.init_from)
         self.mtp_shard_under_model_parallel()  # FSDP2 units (decoder layers, MTP modules, root) under ModelParallel
 
     def train(self, mode: bool = True) -> HFCausalLM:
@@ -365,13 +375,17 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             return set()
         return {name for name, _ in self.named_parameters() if name.startswith(TRUNK_PREFIX)}
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        refuse_other_layout(self.mtp_config.layout, checkpoint, "the checkpoint")
+    def mtp_complete_checkpoint(self, checkpoint: dict, source: str) -> None:
+        """Refuse a checkpoint of another layout or, heads-only, of another trunk; fill a heads-only checkpoint's
+        trunk keys with this trunk's weights (they come from ``pretrained``), so that a strict load succeeds."""
+        refuse_other_layout(self.mtp_config.layout, checkpoint, source)
         if checkpoint.get(HEADS_ONLY_KEY) and "state_dict" in checkpoint:
-            # The trunk comes from `pretrained`; fill its keys so that Lightning's strict load succeeds.
-            self._check_trunk_summary(checkpoint, "the checkpoint")
+            self._check_trunk_summary(checkpoint, source)
             own = {k: v for k, v in self.state_dict().items() if k.startswith(TRUNK_PREFIX)}
             checkpoint["state_dict"] = {**own, **checkpoint["state_dict"]}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.mtp_complete_checkpoint(checkpoint, "the checkpoint")
         super().on_load_checkpoint(checkpoint)
 
     # ----------------------------------------------------------------- optimisation
