@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import REPO  # noqa: E402
+from conftest import REPO, cli_refusal  # noqa: E402
 from model_folders import chat_records, model_folder, text_records, write_jsonl  # noqa: E402
 
 from lightning_mtp.cli import main  # noqa: E402
@@ -113,3 +114,21 @@ def test_a_new_fit_starts_from_a_checkpoints_weights_with_init_from(tmp_path, fr
     assert any(key.startswith("trunk.") for key in after["state_dict"]) is not frozen
     for key, value in before["state_dict"].items():  # a learning rate of 1e-12 moves nothing measurably
         torch.testing.assert_close(after["state_dict"][key], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("remove, named", [
+    ("config.json", r"--model.init_args.pretrained\) .*transformers cannot load a causal LM from it"),
+    ("model.safetensors", r"--model.init_args.pretrained\) .*transformers cannot load a causal LM from it: .*"
+                          r"model.safetensors"),
+    ("everything", r"--model.init_args.pretrained\) .*transformers cannot load a causal LM from it"),
+    ("tokenizer.json", r"--data.tokenizer: transformers cannot load a tokenizer from .*model' \(lightning-mtp needs "
+                       r"a fast one, a tokenizer.json\): it has no tokenizer.json"),
+])
+def test_a_model_folder_missing_a_file_is_refused_in_one_line(tmp_path, capsys, remove, named):
+    folder = model_folder(tmp_path / "model")
+    for path in (folder.iterdir() if remove == "everything" else [folder / remove]):
+        path.unlink()
+    corpus = write_jsonl(tmp_path / "code.jsonl", text_records(20))
+    err = cli_refusal(finetune_args(tmp_path / "run", folder, corpus), capsys)
+    [line] = [line for line in err.splitlines() if "error:" in line]  # (transformers' progress bars aside)
+    assert re.search(named, line), err

@@ -76,10 +76,17 @@ def load_pretrained_tokenizer(path: str, **special_tokens: str) -> PretrainedTok
     check_tokenizer_path(path)
     transformers = _transformers()
     target = Path(path).expanduser()
-    if target.is_dir():
-        hf = transformers.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-    else:
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(target), **special_tokens)
+    try:
+        if target.is_dir():
+            hf = transformers.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+        else:
+            hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(target), **special_tokens)
+    except (OSError, ValueError, KeyError, ImportError) as error:  # no tokenizer files, or a slow one to convert
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if target.is_dir() and not (target / "tokenizer.json").is_file():
+            reason = f"it has no tokenizer.json, and reading another tokenizer failed: {reason}"
+        raise ValueError(f"--data.tokenizer: transformers cannot load a tokenizer from {path!r} (lightning-mtp needs "
+                         f"a fast one, a tokenizer.json): {reason}") from error
     if special_tokens and target.is_dir():
         hf.add_special_tokens({k: v for k, v in special_tokens.items() if k in SPECIAL_TOKEN_NAMES})
     return PretrainedTokenizer(hf, name=target.name if target.is_dir() else target.parent.name or target.stem)

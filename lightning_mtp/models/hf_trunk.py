@@ -113,7 +113,12 @@ def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: O
         if not os.path.isdir(pretrained):
             raise ValueError(f"HFCausalLM.pretrained (--model.init_args.pretrained) must be a local directory saved "
                              f"with save_pretrained; got {pretrained!r} (nothing is downloaded from a hub)")
-        return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, **extra)
+        try:
+            return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, **extra)
+        except (OSError, ValueError, KeyError) as error:  # a folder without its config or weights, or not an LM
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"HFCausalLM.pretrained (--model.init_args.pretrained) {pretrained!r}: transformers "
+                             f"cannot load a causal LM from it: {reason}") from error
     config = {key: scalar_from_cli(value) for key, value in (config or {}).items()}
     model_type = config.pop("model_type", None) if model_type is None else model_type
     config.pop("model_type", None)
