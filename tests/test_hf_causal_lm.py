@@ -425,6 +425,15 @@ def test_heads_trained_over_a_folder_are_refused_when_its_weights_changed(tmp_pa
         HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.pt")).configure_model()
 
 
+def test_heads_that_are_not_a_checkpoint_file_are_named(tmp_path):
+    model = hf_model("llama", depth=2)
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"--model.init_args.mtp_heads '.*tmp.*' is a directory but not"):
+        model.load_mtp_heads(str(tmp_path))
+    with pytest.raises(ValueError, match=r"--model.init_args.mtp_heads '.*text.pt'.*not a PyTorch checkpoint"):
+        model.load_mtp_heads(str(tmp_path / "text.pt"))
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_fits_with_the_hf_llama_config(tmp_path):
     from lightning_mtp.cli import main

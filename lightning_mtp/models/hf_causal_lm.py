@@ -189,6 +189,9 @@ class HFCausalLM(MTPMixin, L.LightningModule):
                     rank_zero_info(self.mtp_native_report.summary())
             if self.mtp_heads:
                 self.mtp_load_report = self.load_mtp_heads(self.mtp_heads)
+                rank_zero_info(f"MTP weights loaded from --model.init_args.mtp_heads {self.mtp_heads}"
+                               + (" (over the model folder's MTP layers)" if self.mtp_native_report else "")
+                               + f": {self.mtp_load_report.summary()}")
             if self.init_from and self._trainer is not None:  # a fit, not load_from_checkpoint
                 self.mtp_load_report = checkpointing.load_weights(self, self.init_from)
         self.mtp_shard_under_model_parallel()  # FSDP2 units (decoder layers, MTP modules, root) under ModelParallel
@@ -332,7 +335,10 @@ class HFCausalLM(MTPMixin, L.LightningModule):
 
     def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = checkpointing.read_checkpoint(path, "--model.init_args.mtp_heads")
+        if "state_dict" not in checkpoint:  # a DeepSpeed or sharded FSDP2 folder: its weights are not in one file
+            raise ValueError(f"--model.init_args.mtp_heads {path!r} holds no weights in one file: give a checkpoint "
+                             "file (a DeepSpeed folder converts with the command in docs/distributed.md)")
         self._check_trunk_summary(checkpoint, path)
         refuse_other_layout(self.mtp_config.layout, checkpoint, path)
         state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if not k.startswith(TRUNK_PREFIX)}
