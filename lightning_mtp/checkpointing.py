@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 CHECKPOINT_KEY = "mtp"
 TOKENIZER_KEY = "tokenizer"
+HEADS_ONLY_KEY = "mtp_heads_only"  # a checkpoint without the trunk's weights (HFCausalLM's frozen trunk)
 """``checkpoint["tokenizer"]``: the tokenizer the weights were trained with (``Tokenizer.spec()``) and the data
 settings it was built from; ``lightning-mtp`` decodes and evaluates with it and refuses data that asks for another."""
 FORMAT_VERSION = 1

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import yaml
 
+from lightning_mtp.checkpointing import HEADS_ONLY_KEY
+
 SECTIONS = ("model", "data", "trainer")
 
 MODEL_KEYS_NOT_FROM_CHECKPOINT = ("generation", "init_from", "_instantiator", "_class_path")
@@ -252,6 +254,9 @@ def without_missing_folder(checkpoint: Mapping[str, Any], hparams: dict) -> dict
     folder = hparams.get("pretrained")
     config = (checkpoint.get("mtp") or {}).get("trunk_config")
     has_trunk = any(key.startswith("trunk.") for key in checkpoint.get("state_dict") or {})
+    if folder and not Path(str(folder)).is_dir() and checkpoint.get(HEADS_ONLY_KEY):
+        raise ValueError(f"the checkpoint holds MTP heads only (its trunk was frozen) and gets its trunk from the "
+                         f"model folder {folder}, which is gone: put the folder back at that path")
     if not folder or Path(str(folder)).is_dir() or not config or not has_trunk:
         return hparams
     from lightning.pytorch.utilities import rank_zero_info

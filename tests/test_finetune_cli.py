@@ -132,3 +132,17 @@ def test_a_model_folder_missing_a_file_is_refused_in_one_line(tmp_path, capsys, 
     err = cli_refusal(finetune_args(tmp_path / "run", folder, corpus), capsys)
     [line] = [line for line in err.splitlines() if "error:" in line]  # (transformers' progress bars aside)
     assert re.search(named, line), err
+
+
+def test_a_heads_only_checkpoint_whose_model_folder_is_gone_says_so(tmp_path, capsys):
+    folder = model_folder(tmp_path / "model")
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(40)),
+                       "--model.init_args.freeze_trunk", "true", "--trainer.max_steps", "2"))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    shutil.move(str(folder), str(tmp_path / "elsewhere"))
+    gone = r"holds MTP heads only \(its trunk was frozen\) and gets its trunk from the model folder .*model, which is gone"
+    assert re.search(gone, cli_refusal(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out")], capsys))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    assert re.search(gone, cli_refusal(["predict", "--ckpt_path", str(ckpt), "--data.init_args.predict_prompts",
+                                        str(prompts)], capsys))

@@ -80,7 +80,7 @@ from lightning_mtp.native.family import resolve_layout
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
 
 TRUNK_PREFIX = "trunk."
-HEADS_ONLY_KEY = "mtp_heads_only"
+HEADS_ONLY_KEY = checkpointing.HEADS_ONLY_KEY
 
 class HFCausalLM(MTPMixin, L.LightningModule):
     """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
