@@ -53,7 +53,7 @@ def test_data_vocabulary_larger_than_model_fails_naming_both_flags(tmp_path, mon
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     err = _refused(_fit_args(tmp_path, "--data.init_args.tokenizer", "byte", "--model.init_args.model.vocab_size",
                              "200"), capsys)
-    assert re.search(r"--data\.vocab_size.*--model\.vocab_size", err)
+    assert re.search(r"--data\.vocab_size.*--model\.init_args\.model\.vocab_size", err)
 
 
 def test_sequence_shorter_than_depth_plus_two_fails_naming_flags(tmp_path, monkeypatch, capsys):
