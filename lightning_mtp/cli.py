@@ -43,6 +43,7 @@ import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
+from lightning_mtp.callbacks.safe_checkpoint import restore_interrupted_swap
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args, with_checkpoint_config
 from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
@@ -111,6 +112,9 @@ class MTPLightningCLI(LightningCLI):
         init_from = current.get("model.init_from")
         self._tokenizer_record: Optional[dict] = None
         if ckpt_path:
+            if restore_interrupted_swap(str(ckpt_path)):
+                print(f"lightning-mtp: {ckpt_path} brought back from the copy kept while a save was interrupted",
+                      file=sys.stderr)
             strategy = " ".join(str(value) for key, value in current.items() if key.startswith("trainer.strategy"))
             if subcommand != "fit" and "deepspeed" not in strategy.lower():  # Lightning reads the shards as a file
                 refuse_deepspeed_folder(ckpt_path, "--ckpt_path", subcommand)

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import REPO, cli_refusal, tiny_fit_args
+from conftest import REPO, cli_refusal, tiny_fit_args, tiny_predict_args
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import TorchCheckpointIO
 
@@ -232,3 +232,21 @@ def test_the_folder_lock_is_released_with_its_process(tmp_path):
     assert holder.returncode == 0
     assert folder_lock.hold(tmp_path).refusal is None  # its process ended: nothing stale blocks this one
     folder_lock.release(tmp_path)
+
+
+def test_a_checkpoint_left_aside_by_an_interrupted_swap_is_found_by_the_cli(tiny_checkpoint, tmp_path):
+    """A kill between the two renames of a folder swap (DeepSpeed) leaves ``.last.ckpt.previous`` and no
+    ``last.ckpt``: ``--ckpt_path .../last.ckpt`` must bring it back, not say the checkpoint does not exist."""
+    import json
+    import shutil
+
+    from lightning_mtp.cli import main
+
+    _, ckpt = tiny_checkpoint
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(ckpt, folder / ".last.ckpt.previous")
+    main(tiny_predict_args(tmp_path, folder / "last.ckpt"))
+    assert (folder / "last.ckpt").is_file() and not (folder / ".last.ckpt.previous").exists()
+    assert len((tmp_path / "predictions" / "generations.jsonl").read_text().splitlines()) == 2
+    assert json.loads((tmp_path / "predictions" / "generations.jsonl").read_text().splitlines()[0])["tokens"]

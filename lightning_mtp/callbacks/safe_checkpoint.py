@@ -284,16 +284,24 @@ def _move_into_place(source: str, target: str) -> None:
     _remove(previous)
 
 
+def restore_interrupted_swap(path: str) -> bool:
+    """A crash between the two renames of a folder swap leaves ``.<name>.previous`` and no ``<name>``: bring
+    ``path`` back from it (the CLI does this for ``--ckpt_path`` before reading it); whether it did."""
+    previous = _hidden_sibling(str(path).rstrip(os.sep), "previous")
+    if os.path.lexists(path) or not os.path.lexists(previous):
+        return False
+    os.replace(previous, path)
+    return True
+
+
 def _recover_interrupted_swaps(folder: Path) -> None:
-    """A crash between the two renames of a folder swap leaves ``.<name>.previous`` and no ``<name>``: bring it
-    back; half-written ``.partial`` files are dropped."""
+    """Every interrupted swap in ``folder`` undone (:func:`restore_interrupted_swap`); half-written ``.partial``
+    files are dropped."""
     if not folder.is_dir():
         return
     for entry in folder.iterdir():
         if entry.name.startswith(".") and entry.name.endswith(".previous"):
-            target = folder / entry.name[1 : -len(".previous")]
-            if not os.path.lexists(target):
-                os.replace(entry, target)
+            restore_interrupted_swap(str(folder / entry.name[1 : -len(".previous")]))
         elif entry.name.startswith(".") and entry.name.endswith(".partial"):
             _remove(str(entry))
 
