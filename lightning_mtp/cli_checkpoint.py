@@ -62,17 +62,19 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def given_keys(args: Iterable[str], config_files: Iterable[Any] = ()) -> set[str]:
     """Dotted keys the user set as flags (``--a.b c`` / ``--a.b=c``) or in ``--config`` files. A config file's
-    ``null`` leaves its setting unset: the bundled configs write ``tokenizer: null`` for "the default", which a
-    checkpoint's tokenizer then fills (a flag is given whatever its value)."""
+    ``null`` leaves its setting unset, also when an earlier config file set it (``--config deepspeed_zero3 --config
+    finetune``: finetune's ``tokenizer: null`` undoes ``tokenizer: bpe``): the bundled configs write ``null`` for
+    "the default", which a checkpoint's tokenizer then fills. A flag is given whatever its value."""
     keys: set[str] = set()
-    for token in args:
-        if token.startswith("--") and len(token) > 2:
-            keys.add(normalise(token[2:].split("=", 1)[0]))
-    for path in config_files:
+    for path in config_files:  # in order: a later file's value replaces an earlier one's
         text = Path(str(path)).read_text(encoding="utf-8") if Path(str(path)).is_file() else str(path)
         content = yaml.safe_load(text)
         if isinstance(content, Mapping):
-            keys.update(key for key, value in flatten(content).items() if value is not None)
+            for key, value in flatten(content).items():
+                (keys.add if value is not None else keys.discard)(key)
+    for token in args:
+        if token.startswith("--") and len(token) > 2:
+            keys.add(normalise(token[2:].split("=", 1)[0]))
     return keys
 
 

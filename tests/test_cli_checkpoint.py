@@ -135,6 +135,18 @@ def test_refitting_into_the_same_folder_replaces_last_ckpt(tmp_path):
     assert (first["global_step"], second["global_step"]) == (2, 3)
 
 
+def test_a_later_config_files_null_unsets_what_an_earlier_one_set(tmp_path):
+    # `--config deepspeed_zero3 --config finetune`: finetune's `tokenizer: null` undoes zero3's `tokenizer: bpe`, so
+    # a resume takes the checkpoint's tokenizer instead of refusing a tokenizer nobody gave
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("data:\n  init_args:\n    tokenizer: bpe\n    seq_len: 8\n")
+    second.write_text("data:\n  init_args:\n    tokenizer: null\n")
+    given = given_keys(["--config", str(first), "--config", str(second)], [str(first), str(second)])
+    assert "data.tokenizer" not in given and "data.seq_len" in given
+    assert "data.tokenizer" in given_keys(["--config", str(second), "--config", str(first)], [str(second), str(first)])
+    assert "data.tokenizer" in given_keys(["--config", str(second), "--data.init_args.tokenizer", "null"], [str(second)])
+
+
 def test_given_keys_reads_flags_and_config_files(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("model:\n  class_path: X\n  init_args:\n    mtp:\n      depth: 2\ndata:\n  init_args:\n"
