@@ -139,6 +139,8 @@ class MTPLightningCLI(LightningCLI):
         hparams = dict(checkpoint.get("hyper_parameters") or {})
         saved = ckpt_rules.model_settings(hparams)
         found = ckpt_rules.conflicts(saved, current, given)
+        if not resuming:  # the learning rate and its schedule do not describe the weights
+            found = [conflict for conflict in found if conflict[0] not in ckpt_rules.OPTIMIZER_SETTINGS]
         if found:
             advice = (
                 "A resumed fit keeps the checkpoint's model: drop the flag (or fix the config) to resume, or start a "
@@ -182,6 +184,8 @@ class MTPLightningCLI(LightningCLI):
         taken = ckpt_rules.data_settings(record, ckpt_rules.TOKENIZER_SETTINGS + tuple(defaults))
         if record.get("kind") not in ("bpe", "byte"):  # a model folder's: rebuilt from the record, not the path
             taken.pop("data.tokenizer", None)
+        if subcommand == "predict" and current.get("data.predict_prompts"):
+            taken.pop("data.corpus", None)  # prompts given: the training corpus is not read (it may not be here)
         init_args = {key.split(".", 1)[1]: value for key, value in taken.items()
                      if not ckpt_rules.is_given(key, given)}
         if init_args:

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +25,10 @@ import yaml
 from lightning_mtp.checkpointing import HEADS_ONLY_KEY
 
 SECTIONS = ("model", "data", "trainer")
+
+OPTIMIZER_SETTINGS = ("model.learning_rate", "model.weight_decay", "model.warmup_steps")
+"""Model settings that shape training, not the weights: predict/validate/test take any value; a resumed fit keeps the
+checkpoint's (its optimizer state and schedule continue)."""
 
 MODEL_KEYS_NOT_FROM_CHECKPOINT = ("generation", "init_from", "_instantiator", "_class_path")
 """Model init arguments that belong to the run, not to the weights: decoding settings, and where a fit started."""
@@ -96,6 +101,10 @@ def is_given(key: str, given: set[str]) -> bool:
 
 
 def same(a: Any, b: Any) -> bool:
+    """Equal as settings: numbers by value, sequences item by item, two paths to the same existing file or folder
+    (``model_a`` and ``/work/model_a``) alike."""
+    if isinstance(a, str) and isinstance(b, str) and a != b and os.path.exists(a) and os.path.exists(b):
+        return os.path.realpath(a) == os.path.realpath(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):

@@ -178,3 +178,12 @@ def test_validate_and_test_need_only_the_checkpoint(tiny_checkpoint, tmp_path, c
           "1", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
           "--data.init_args.cache_dir", str(workdir / "cache")])
     assert f"{'val' if subcommand == 'validate' else 'test'}/loss" in capsys.readouterr().out
+
+
+def test_two_paths_to_the_same_folder_are_the_same_setting(tmp_path, monkeypatch):
+    from lightning_mtp.cli_checkpoint import same
+
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert same("model", str(tmp_path / "model")) and same("./model/", str(tmp_path / "model"))
+    assert not same("model", str(tmp_path)) and not same("bpe", "byte")

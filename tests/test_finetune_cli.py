@@ -146,3 +146,26 @@ def test_a_heads_only_checkpoint_whose_model_folder_is_gone_says_so(tmp_path, ca
     prompts.write_text("def f(x):\n")
     assert re.search(gone, cli_refusal(["predict", "--ckpt_path", str(ckpt), "--data.init_args.predict_prompts",
                                         str(prompts)], capsys))
+
+
+def test_predict_and_validate_from_a_checkpoint_anywhere_with_the_training_config(tmp_path, monkeypatch):
+    """A fit run with relative paths: predict with a prompts file works from another folder (the model folder is
+    recorded absolute; the training corpus is not needed), and validate with the training config is not refused over
+    its learning rate (which does not describe the weights)."""
+    model_folder(tmp_path / "work" / "model")
+    write_jsonl(tmp_path / "work" / "code.jsonl", text_records(40))
+    monkeypatch.chdir(tmp_path / "work")
+    main(finetune_args(tmp_path / "run", "model", "code.jsonl", "--trainer.max_steps", "2"))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["pretrained"] == str(tmp_path / "work" / "model")
+
+    main(["validate", "--config", os.path.join(REPO, "configs", "finetune.yaml"), "--ckpt_path", str(ckpt),
+          "--model.init_args.learning_rate", "0.5", "--model.init_args.pretrained", str(tmp_path / "work" / "model"),
+          "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
+          "--data.init_args.num_proc", "1", "--data.init_args.cache_dir", str(tmp_path / "run" / "cache"),
+          "--data.init_args.seq_len", "96"])
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rows = predict(tmp_path / "run", ckpt, chat_prompts(tmp_path / "prompts.jsonl"))
+    assert len(rows) == 2 and all(row["tokens"] for row in rows)

@@ -162,7 +162,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         if pretrained is None:
             model_type, config = trunk.config.model_type, plain_config(trunk.config)
         self.save_hyperparameters({
-            "model_type": model_type, "config": config, "pretrained": pretrained, "mtp": asdict(self.mtp_config),
+            "model_type": model_type, "config": config, "mtp": asdict(self.mtp_config),
+            "pretrained": os.path.abspath(pretrained) if pretrained else None,  # found from any working folder
             "freeze_trunk": freeze_trunk, "save_trunk": save_trunk, "mtp_heads": mtp_heads, "init_from": init_from,
             "learning_rate": learning_rate, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
             "attn_implementation": attn_implementation, "generation": asdict(self.generation_config),
