@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import secrets
-import shutil
-import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from lightning_mtp.checkpointing import read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_checkpoint import checkpoint_model_class, without_missing_folder
 from lightning_mtp.data.tokenizer_choice import save_for_transformers
 from lightning_mtp.finite import check_finite_state_dict
+from lightning_mtp.native.export import write_folder
 
 SUPPORTED = ("lightning-mtp export writes only an HFCausalLM with native MTP layers (--model.mtp.layout native) of a "
              "family that has them in transformers (e.g. glm4_moe, deepseek_v3)")
@@ -106,47 +104,6 @@ def _check_parent_writable(out: str, target: Path) -> None:
                          "written to a folder beside --out first); give a path under a folder you can write")
 
 
-def write_whole(target: Path, write: Callable[[str], object]) -> None:
-    """``write(folder)`` into a fresh sibling of ``target``, then put it in ``target``'s place (replacing the old
-    folder whole); on failure the sibling is removed and ``target`` is left as it was."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = _fresh_sibling(target, "partial")
-    try:
-        write(str(staging))
-        _swap_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _fresh_sibling(target: Path, purpose: str) -> Path:
-    """A new, hidden folder beside ``target`` (created with the usual permissions: ``os.mkdir`` honours the umask)."""
-    while True:
-        sibling = target.with_name(f".{target.name}.{purpose}-{secrets.token_hex(4)}")
-        try:
-            sibling.mkdir()
-            return sibling
-        except FileExistsError:
-            continue
-
-
-def _swap_into_place(staging: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    retired = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
-    os.rename(target, retired)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        os.rename(retired, target)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
-    if retired.exists():
-        print(f"lightning-mtp export: warning: could not delete the previous folder, moved to {retired}: delete it",
-              file=sys.stderr)
-
-
 # ----------------------------------------------------------------------------------------------- --ckpt_path
 def model_class(checkpoint: dict) -> type:
     """The checkpoint's module class (:func:`~lightning_mtp.cli_checkpoint.checkpoint_model_class`: recorded, or
@@ -195,7 +152,7 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
         if module.mtp_tokenizer:  # the tokenizer the weights were trained with, so the folder is complete
             save_for_transformers(module.mtp_tokenizer, folder)
 
-    write_whole(target, write)
+    write_folder(str(target), write, keep_other_files=False)  # whole or not at all, as save_pretrained
     return out
 
 

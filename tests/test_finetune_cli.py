@@ -140,7 +140,8 @@ def test_a_heads_only_checkpoint_whose_model_folder_is_gone_says_so(tmp_path, ca
                        "--model.init_args.freeze_trunk", "true", "--trainer.max_steps", "2"))
     ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
     shutil.move(str(folder), str(tmp_path / "elsewhere"))
-    gone = r"holds MTP heads only \(its trunk was frozen\) and gets its trunk from the model folder .*model, which is gone"
+    gone = (r"holds MTP heads only \(its trunk was frozen\) and gets its trunk from the model folder .*model, which "
+            r"is gone")
     assert re.search(gone, cli_refusal(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out")], capsys))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n")

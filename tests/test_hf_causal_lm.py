@@ -422,7 +422,8 @@ def test_heads_trained_over_a_folder_are_refused_when_its_weights_changed(tmp_pa
     with pytest.raises(ValueError, match=changed):
         HFCausalLM.load_from_checkpoint(tmp_path / "heads.ckpt", weights_only=True)
     with pytest.raises(ValueError, match=changed):
-        HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.pt")).configure_model()
+        HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2),
+                   mtp_heads=str(tmp_path / "heads.pt")).configure_model()
 
 
 def test_heads_that_are_not_a_checkpoint_file_are_named(tmp_path):

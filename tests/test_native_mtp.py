@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import lightning as L
@@ -33,6 +34,7 @@ from lightning_mtp.decoding.native_drafting import NativeMTPDrafter, chain_draft
 from lightning_mtp.heads import CascadedMTPModule  # noqa: E402
 from lightning_mtp.models import HFCausalLM  # noqa: E402
 from lightning_mtp.native import NativeMTPModule, PositionalLayerCache, register_mtp_patterns  # noqa: E402
+from lightning_mtp.native import export as export_module  # noqa: E402
 
 VOCAB = 128
 FAMILIES = {
@@ -316,12 +318,27 @@ def test_import_loads_the_folders_layers_and_adds_fresh_depths(tmp_path, family)
                                        atol=1e-5, rtol=1e-5)
 
 
-def test_a_folder_saved_without_mtp_layers_starts_every_depth_fresh(tmp_path):
+def test_a_folder_declaring_no_mtp_layers_starts_every_depth_fresh(tmp_path):
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("glm4_moe", **family_config("glm4_moe", 1))).save_pretrained(
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("glm4_moe", **family_config("glm4_moe", 0))).save_pretrained(
         tmp_path)
     model = HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=2))
     model.configure_model()
+    report = model.mtp_native_report
+    assert report.loaded == {} and report.fresh == [1, 2] and report.checkpoint_layers == 0
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_config_declaring_layers_the_weights_hold_none_of_warns_and_starts_fresh(tmp_path, layers):
+    """transformers' own save_pretrained writes no MTP layer, so every fine-tuned folder of these families declares
+    layers it does not hold: taken, with a warning naming the folder and the declared count (never silently)."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("glm4_moe", **family_config("glm4_moe", layers))
+                                     ).save_pretrained(tmp_path)
+    model = HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=2))
+    with pytest.warns(UserWarning, match=rf"{tmp_path}: config.json declares num_nextn_predict_layers={layers} but "
+                                         r"the weights hold no MTP layer .*every MTP depth starts fresh"):
+        model.configure_model()
     assert model.mtp_native_report.loaded == {} and model.mtp_native_report.fresh == [1, 2]
 
 
@@ -362,6 +379,42 @@ def test_import_refuses_a_config_declaring_more_layers_than_the_weights_hold(tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="declares num_nextn_predict_layers=2 but the weights hold MTP layers"):
         HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=2)).configure_model()
+
+
+@pytest.mark.parametrize("declared", [1, 0])
+def test_import_refuses_layers_the_config_does_not_declare(tmp_path, declared):
+    """Trained layers beyond ``num_nextn_predict_layers`` would be silently ignored: refused, naming them."""
+    write_transformers_folder(tmp_path, "glm4_moe", layers=2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = declared
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    layers = r"model\.layers\.3\.\*" if declared else r"model\.layers\.2\.\*, model\.layers\.3\.\*"
+    with pytest.raises(ValueError, match=rf"{tmp_path}: the weights hold MTP layers {layers} \(.*model\.layers\."
+                                         rf"{2 + declared}\.eh_proj\.weight.*\) that config.json does not declare "
+                                         rf"\(num_nextn_predict_layers={declared}\).*set num_nextn_predict_layers "
+                                         "to 2"):
+        HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=2)).configure_model()
+
+
+@pytest.mark.parametrize("key,value", [("model.layers.3.eh_proj.weight", float("nan")),
+                                       ("model.layers.2.mlp.experts.1.up_proj.weight", float("inf"))])
+def test_import_refuses_non_finite_mtp_tensors_naming_the_first(tmp_path, key, value):
+    """A NaN or infinity in an imported layer (an expert's too, fused on load) is refused at import, naming the key
+    on disk, not left for the fit to report as a divergence at step 0."""
+    write_transformers_folder(tmp_path, "glm4_moe", layers=2)
+
+    def spoil(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+
+    edit_folder(tmp_path, spoil)
+    layer = int(key.split(".")[2]) - 2
+    with pytest.raises(ValueError, match=rf"{tmp_path}: MTP layer {layer}'s {re.escape(key)} holds NaN or infinite"):
+        HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=2)).configure_model()
+    if layer == 1:  # only the layers imported are checked: depth 1 alone loads
+        model = HFCausalLM(pretrained=str(tmp_path), mtp=MTPConfig(depth=1))
+        model.configure_model()
+        assert sorted(model.mtp_native_report.loaded) == [1]
 
 
 # ----------------------------------------------------------------------------------------------- 3. export
@@ -493,6 +546,74 @@ def test_export_refuses_what_transformers_cannot_load(tmp_path):
     with pytest.raises(ValueError, match="LlamaForCausalLM .* has no native MTP layers"):
         llama.save_pretrained(str(tmp_path))
     assert not os.listdir(tmp_path)
+
+
+def folder_state(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+class Killed(BaseException):
+    """What a kill, or Ctrl-C, does to a save: the rest of it never runs."""
+
+
+def test_an_interrupted_save_pretrained_leaves_the_earlier_folder_as_it_was(tmp_path, trained, monkeypatch):
+    """A save stopped after the trunk and before the MTP layers (where a kill left a config declaring MTP layers
+    beside weights holding none) leaves the earlier save, and nothing beside it; a complete one keeps the user's
+    files and drops the earlier weights."""
+    model, out = trained[("glm4_moe", 2)], tmp_path / "out"
+    model.save_pretrained(str(out), max_shard_size="40KB")
+    (out / "notes.txt").write_text("mine")
+    before = folder_state(out)
+
+    def killed(folder, tensors):
+        raise Killed
+
+    monkeypatch.setattr(export_module, "_add_tensors", killed)
+    with pytest.raises(Killed):
+        model.save_pretrained(str(out))
+    assert folder_state(out) == before
+    assert os.listdir(tmp_path) == ["out"]
+    monkeypatch.undo()
+    model.save_pretrained(str(out))
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "notes.txt"]
+    assert os.listdir(tmp_path) == ["out"]
+    again = HFCausalLM(pretrained=str(out), mtp=MTPConfig(depth=2))
+    again.configure_model()
+    assert sorted(again.mtp_native_report.loaded) == [1, 2]
+
+
+def test_an_export_removes_the_partial_folders_killed_exports_left_but_not_running_ones(tmp_path, trained, caplog):
+    """A killed export leaves its hidden ``.NAME.partial-XXXXXXXX``; the next export into NAME removes it. One whose
+    writer still runs (it holds the folder's ``flock``) is kept, as is anything else beside NAME."""
+    fcntl = pytest.importorskip("fcntl")
+    stale, running, other = (tmp_path / ".out.partial-deadbeef", tmp_path / ".out.partial-0123abcd",
+                             tmp_path / ".other.partial-deadbeef")
+    for folder in (stale, running, other):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    held = os.open(running, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with caplog.at_level("INFO"):
+            trained[("glm4_moe", 1)].save_pretrained(str(tmp_path / "out"))
+    finally:
+        os.close(held)
+    assert sorted(os.listdir(tmp_path)) == [".other.partial-deadbeef", ".out.partial-0123abcd", "out"]
+    assert "removed .out.partial-deadbeef" in caplog.text and "kept .out.partial-0123abcd" in caplog.text
+
+
+def test_a_partial_folder_is_written_in_place(tmp_path, trained, monkeypatch):
+    """``lightning-mtp export`` saves into its own partial folder (then adds the tokenizer and renames it): that one
+    is written in place, not through one more partial folder beside it that a kill would leave behind too."""
+    staging = tmp_path / ".out.partial-0123abcd"
+    staging.mkdir()
+    written = []
+    add_tensors = export_module._add_tensors
+    monkeypatch.setattr(export_module, "_add_tensors", lambda folder, tensors: (written.append(folder),
+                                                                               add_tensors(folder, tensors)))
+    trained[("glm4_moe", 1)].save_pretrained(str(staging))
+    assert written == [str(staging)] and os.listdir(tmp_path) == [staging.name]
+    assert "model.safetensors" in os.listdir(staging)
 
 
 # ----------------------------------------------------------------------------------------------- 4. our decoding

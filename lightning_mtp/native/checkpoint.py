@@ -13,11 +13,16 @@ deepseek_v3 store each expert's ``gate_proj``/``up_proj``/``down_proj``, their m
 tensors): :func:`disk_state` goes from module names to disk names with ``transformers``' own reverse conversion, and
 the import reads the tensors through ``transformers``' ``MtpModel.from_pretrained`` (its forward conversion), so what
 we load is exactly what ``generate(use_mtp=True)`` would run.
+
+The import refuses, naming the folder, weights that do not hold exactly the MTP layers ``config.json`` declares
+(``num_nextn_predict_layers``: none of them, some of them, or more layers than it declares, which would be ignored)
+and MTP tensors holding NaN or infinite values. A folder whose config declares 0 MTP layers starts every depth fresh.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,6 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_mtp.finite import nonfinite_tensors
 from lightning_mtp.native.family import checkpoint_prefix, native_layer_count
 from lightning_mtp.native.transformers_mtp import checkpoint_files, register_mtp_patterns, tensor_shapes
 
@@ -35,6 +41,8 @@ OWN_KEYS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_
 SERVING_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 """Per-layer copies of the main model's embedding and head that released checkpoints carry: never read on import,
 written on export for the serving engines that load them per layer (:func:`serving_copy_state`)."""
+LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+"""A checkpoint key of a decoder layer; group 1 is its layer number."""
 
 
 @dataclass
@@ -92,27 +100,25 @@ def disk_state(trunk: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) -> NativeImportReport:
     """Load the MTP layers of the ``transformers`` folder ``folder`` into ``modules`` (depth k <- layer k-1); depths
-    beyond the folder's layers keep their fresh initialisation.
+    beyond the folder's layers keep their fresh initialisation (all of them when its config declares 0 layers).
 
     Raises:
-        ValueError: naming the folder and the keys, when a layer the folder declares lacks a required tensor or
-            holds one of another shape than the module's.
+        ValueError: naming the folder and the keys, when the weights hold only some, or more, of the MTP layers its
+            config declares (none of them: warned, every depth fresh), when a layer lacks a required tensor or holds
+            one of another shape than the module's, or when an imported tensor holds NaN or infinite values.
     """
     declared = native_layer_count(trunk.config) or 0
     trunk_layers = trunk.config.get_text_config().num_hidden_layers
     files = checkpoint_files(folder)
-    present = sorted({k for k in range(declared) if any(key.startswith(checkpoint_prefix(trunk_layers, k))
-                                                        for key in files)})
+    declared = _check_declared(folder, files, declared, trunk_layers)  # 0 when the weights hold none of them
     report = NativeImportReport(folder, declared)
     count = min(declared, len(modules))
     report.fresh = list(range(count + 1, len(modules) + 1))
-    if not present:  # a folder of the family saved without its MTP layers: nothing to import
-        report.checkpoint_layers = 0
-        report.fresh = list(range(1, len(modules) + 1))
+    if not declared:  # nothing to import: every depth starts fresh
         return report
     expected: dict[int, dict[str, Tensor]] = {
         k: disk_state(trunk, module_state(modules[k], trunk_layers, k)) for k in range(count)}
-    _check_folder(folder, files, expected, declared, present, trunk_layers)
+    _check_folder(folder, files, expected, trunk_layers)
     for k in range(count):
         copies = serving_copy_state(trunk, trunk_layers, k)
         report.ignored += [key for key in files if key in copies]
@@ -122,6 +128,7 @@ def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) 
                            "ignores them (the trunk's serve every depth, as in transformers and SGLang), vLLM would "
                            "draft with them, and an export writes the trunk's in their place")
     loaded = _read_with_transformers(trunk, folder, declared)
+    _refuse_nonfinite(folder, files, loaded, expected)
     for k in range(count):
         state = {key.removeprefix(f"layers.{k}."): t for key, t in loaded.items() if key.startswith(f"layers.{k}.")}
         ours = {("block." + key.removeprefix("mtp_block.")) if key.startswith("mtp_block.") else key: t
@@ -132,6 +139,77 @@ def import_native_layers(modules: nn.ModuleList, trunk: nn.Module, folder: str) 
                              f"{k + 1}'s module: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         report.loaded[k + 1] = sorted(expected[k])
     return report
+
+
+def _held_layers(files: dict[str, str], trunk_layers: int) -> dict[int, list[str]]:
+    """MTP layer index (0-based) -> the folder's keys under it (``model.layers.{N+k}.*``), for every layer the weights
+    hold, declared or not."""
+    held: dict[int, list[str]] = {}
+    for key in sorted(files):
+        match = LAYER_KEY.match(key)
+        if match and int(match.group(1)) >= trunk_layers:
+            held.setdefault(int(match.group(1)) - trunk_layers, []).append(key)
+    return held
+
+
+def _check_declared(folder: str, files: dict[str, str], declared: int, trunk_layers: int) -> int:
+    """How many MTP layers to import: ``declared``, or 0 (warned) when the weights hold none of them, as every folder
+    ``transformers``' own ``save_pretrained`` writes. Refuses weights holding layers beyond the count (the import
+    would ignore them) or only some of the declared ones (an interrupted save)."""
+    held = _held_layers(files, trunk_layers)
+    undeclared = {k: keys for k, keys in held.items() if k >= declared}
+    if undeclared:
+        first = min(undeclared)
+        keys = undeclared[first]
+        shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+        layers = ", ".join(f"model.layers.{trunk_layers + k}.*" for k in sorted(undeclared))
+        raise ValueError(f"{folder}: the weights hold MTP layers {layers} ({len(keys)} keys under layer "
+                         f"{trunk_layers + first}: {shown}) that config.json does not declare "
+                         f"(num_nextn_predict_layers={declared}): the import would ignore them; set "
+                         f"num_nextn_predict_layers to {max(held) + 1} in config.json or remove those keys")
+    if not declared or len(held) == declared:
+        return declared
+    if not held:  # transformers' own save_pretrained writes no MTP layer: a fine-tuned folder looks so, loudly fresh
+        rank_zero_warn(f"{folder}: config.json declares num_nextn_predict_layers={declared} but the weights hold no "
+                       "MTP layer (transformers' save_pretrained leaves them out): every MTP depth starts fresh")
+        return 0
+    wanted = ", ".join(f"model.layers.{trunk_layers + k}.*" for k in range(declared))
+    found = "MTP layers " + ", ".join(f"model.layers.{trunk_layers + k}.*" for k in sorted(held)) + " only"
+    raise ValueError(f"{folder}: config.json declares num_nextn_predict_layers={declared} but the weights hold "
+                     f"{found} (expected {wanted}): an interrupted save; fix the weights, or set "
+                     "num_nextn_predict_layers to 0 in config.json to start every depth fresh")
+
+
+def _refuse_nonfinite(folder: str, files: dict[str, str], loaded: dict[str, Tensor],
+                      expected: dict[int, dict[str, Tensor]]) -> None:
+    """Refuse the import when a tensor of the MTP layers being imported holds NaN or infinite values, naming the
+    first such key on disk (checked in memory after the load; the disk is read only to name it)."""
+    for k in sorted(expected):
+        state = {key: t for key, t in loaded.items() if key.startswith(f"layers.{k}.")}
+        bad = _nonfinite(state)
+        if bad:
+            key = _first_nonfinite_on_disk(files, sorted(expected[k])) or bad[0]
+            raise ValueError(f"{folder}: MTP layer {k}'s {key} holds NaN or infinite values: the import refuses it "
+                             "(it comes from a fit that diverged); use a folder saved before the divergence")
+
+
+def _nonfinite(state: dict[str, Tensor]) -> list[str]:
+    """:func:`~lightning_mtp.finite.nonfinite_tensors` of ``state``, one tensor at a time: 8-bit floats (which
+    ``isfinite`` does not take) compared in fp32, tensors without storage (meta) skipped."""
+    return [key for key, t in state.items() if not t.is_meta and nonfinite_tensors(
+        {key: t.float() if t.is_floating_point() and t.element_size() == 1 else t})]
+
+
+def _first_nonfinite_on_disk(files: dict[str, str], keys: list[str]) -> Optional[str]:
+    """The first of ``keys`` whose tensor in the folder holds NaN or infinite values."""
+    from safetensors import safe_open
+
+    for key in keys:
+        if key in files:
+            with safe_open(files[key], framework="pt") as handle:
+                if _nonfinite({key: handle.get_tensor(key)}):
+                    return key
+    return None
 
 
 def _differing_copies(files: dict[str, str], copies: dict[str, Tensor]) -> list[str]:
@@ -150,11 +228,10 @@ def _differing_copies(files: dict[str, str], copies: dict[str, Tensor]) -> list[
     return differing
 
 
-def _check_folder(folder: str, files: dict[str, str], expected: dict[int, dict[str, Tensor]], declared: int,
-                  present: list[int], trunk_layers: int) -> None:
-    if len(present) < declared:
-        raise ValueError(f"{folder}: config.json declares num_nextn_predict_layers={declared} but the weights hold "
-                         f"MTP layers {present} only; fix the config or the weights")
+def _check_folder(folder: str, files: dict[str, str], expected: dict[int, dict[str, Tensor]],
+                  trunk_layers: int) -> None:
+    """Refuse imported layers that lack a tensor of the module's, hold one of another shape, or one it has no
+    place for."""
     problems = []
     for state in expected.values():
         shapes = tensor_shapes(files, list(state))

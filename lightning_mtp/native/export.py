@@ -24,24 +24,44 @@ What ``transformers`` does with such a folder (checked in ``tests/test_native_mt
 Refused: lightning-layout modules (``transformers`` would read their keys with other semantics), parallel heads, and
 trunks of families without native MTP (their config has no ``num_nextn_predict_layers``, so ``transformers`` would
 never run the layers).
+
+The folder is written whole or not at all (:func:`write_folder`): into a hidden ``.NAME.partial-XXXXXXXX`` beside it,
+renamed into its place when complete, so an export that fails or is killed leaves the old folder as it was (a config
+declaring MTP layers beside weights without them would otherwise be what a kill leaves). The partial folder a killed
+export leaves is removed by the next export into the same folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Optional
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_mtp.native.checkpoint import disk_state, module_state, serving_copy_state
 from lightning_mtp.native.family import has_native_mtp
 from lightning_mtp.native.transformers_mtp import INDEX_FILE, SINGLE_FILE, finds_mtp_layers
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; partial folders of interrupted exports are reported, not removed
+    fcntl = None
+
 MTP_SHARD = "model-mtp.safetensors"
 """The file MTP tensors go to when the trunk is saved in shards (listed in the index like any shard)."""
+NUMBERED_SHARD = re.compile(r"model.*?-\d{5}-of-\d{5}\.(safetensors|bin)")
+"""A numbered shard of an earlier save (what the trunk's ``save_pretrained`` removes when it does not rewrite it)."""
+PARTIAL = re.compile(r"\..+\.partial-[0-9a-f]{8}")
+"""The name of a folder being written (``.NAME.partial-XXXXXXXX``), renamed to NAME once complete."""
 
 
 def check_exportable(module: nn.Module) -> None:
@@ -76,9 +96,10 @@ def export_native(module: nn.Module, folder: str, serving_copies: bool = True, *
     ``model-mtp.safetensors``. ``shown_as``: the folder's name in messages (``lightning-mtp export`` writes to a
     temporary folder that then takes ``--out``'s place).
 
-    Weights of an earlier save in ``folder`` (``model.safetensors``, its index, ``model-mtp.safetensors``) are removed
-    first: the trunk's ``save_pretrained`` removes stale numbered shards only, and an old index beside a new single
-    file (or an old single file beside a new index) would make ``transformers`` load the wrong weights."""
+    The folder is written whole or not at all (:func:`write_folder`): a failed or killed export leaves an earlier one
+    in ``folder`` as it was. The files of ``folder`` that are not weights (a tokenizer, a README) are kept; the weights
+    of an earlier save (``model.safetensors``, its index, numbered shards, ``model-mtp.safetensors``) are not, so an
+    old index never sits beside a new single file (``transformers`` would load the wrong weights)."""
     check_exportable(module)
     trunk = module.trunk
     modules = module.require_mtp_modules()
@@ -91,14 +112,17 @@ def export_native(module: nn.Module, folder: str, serving_copies: bool = True, *
     if serving_copies:  # cloned: safetensors refuses tensors that share memory (tied embeddings, one per layer)
         tensors.update({key: t.detach().to("cpu", copy=True).contiguous() for k in range(len(modules))
                         for key, t in serving_copy_state(trunk, trunk_layers, k).items()})
-    saved = config.num_mtp_layers
-    config.num_mtp_layers = len(modules)  # written as num_nextn_predict_layers (the config's attribute_map)
-    try:
-        _remove_earlier_weights(folder)
-        trunk.save_pretrained(folder, **save_kwargs)
-    finally:
-        config.num_mtp_layers = saved
-    _add_tensors(folder, tensors)
+
+    def write(staging: str) -> None:
+        saved = config.num_mtp_layers
+        config.num_mtp_layers = len(modules)  # written as num_nextn_predict_layers (the config's attribute_map)
+        try:
+            trunk.save_pretrained(staging, **save_kwargs)
+        finally:
+            config.num_mtp_layers = saved
+        _add_tensors(staging, tensors)
+
+    write_folder(folder, write)
     if not finds_mtp_layers(trunk, len(modules)):
         rank_zero_info(
             f"{shown_as or folder}: {type(trunk).__name__} finds MTP layers only at the layer numbers of its released "
@@ -108,12 +132,144 @@ def export_native(module: nn.Module, folder: str, serving_copies: bool = True, *
     return sorted(tensors)
 
 
-def _remove_earlier_weights(folder: str) -> None:
-    """Remove the weight files a previous export to ``folder`` may have left that this one might not rewrite."""
-    for name in (SINGLE_FILE, INDEX_FILE, MTP_SHARD):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            os.remove(path)
+def write_folder(folder: str, write: Callable[[str], object], keep_other_files: bool = True) -> None:
+    """``write(path)`` into a new hidden folder beside ``folder`` (``.NAME.partial-XXXXXXXX``), then put that in
+    ``folder``'s place with two renames: a write that fails or is killed leaves ``folder`` as it was.
+
+    ``keep_other_files``: ``folder``'s files other than weights (:func:`_is_weight_file`) are copied into the new folder
+    first, as writing in place would keep them; otherwise ``folder`` is replaced whole. Partial folders of ``folder``
+    that a killed write left are removed first; those of a write still running (each holds a ``flock`` on its partial
+    folder until it is in place) are kept. Writers into one parent take turns for those steps and for the renames
+    (a ``flock`` on the parent), so ranks that all save the same folder each put a complete one in place.
+
+    A ``folder`` that is itself a partial folder (an outer ``write_folder``'s, or ``lightning-mtp export``'s, which
+    also writes the tokenizer) is written in place: nothing reads it until its own writer renames it."""
+    target = _target(folder)
+    if PARTIAL.fullmatch(target.name):
+        write(str(target))
+        return
+    with _parent_lock(target):
+        _remove_stale_partials(target)
+        staging, held = _locked_sibling(target, "partial")
+    try:
+        if keep_other_files and target.is_dir():
+            _copy_other_files(target, staging)
+        write(str(staging))
+        with _parent_lock(target):
+            _swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.close(held)
+
+
+def _target(folder: str) -> Path:
+    """``folder`` resolved (symlinks followed, so the partial folder lands beside the real one), its parents created;
+    refused when it is a file, or a mount point (which nothing can be renamed onto)."""
+    target = Path(os.path.realpath(folder))
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{folder} is a file, not a folder: give the path of a folder to write the model into")
+    if target.is_dir() and os.path.ismount(target):
+        raise ValueError(f"{folder} is a mount point, which the finished folder cannot be renamed onto (it is written "
+                         "beside it first): give a folder inside it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _flock(fd: int, wait: bool) -> bool:
+    """Take an exclusive ``flock`` on ``fd``; ``False`` when another process holds it (``wait=False``) or the system
+    cannot lock."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _parent_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``target``'s parent folder (writers into it take turns; none where the system
+    cannot lock)."""
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        _flock(fd, wait=True)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _locked_sibling(target: Path, purpose: str) -> tuple[Path, int]:
+    """A new hidden folder ``.NAME.PURPOSE-XXXXXXXX`` beside ``target`` and a descriptor holding its ``flock`` (the
+    system drops it when the process dies: that is how :func:`_remove_stale_partials` tells a live one)."""
+    while True:
+        sibling = target.with_name(f".{target.name}.{purpose}-{secrets.token_hex(4)}")
+        try:
+            sibling.mkdir()
+        except FileExistsError:
+            continue
+        fd = os.open(sibling, os.O_RDONLY)
+        _flock(fd, wait=False)
+        return sibling, fd
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove the partial folders of ``target`` that interrupted writes left (no process holds their ``flock``)."""
+    prefix = f".{target.name}.partial-"
+    removed, kept = [], []
+    for entry in sorted(os.scandir(target.parent), key=lambda e: e.name):
+        if not (entry.name.startswith(prefix) and re.fullmatch("[0-9a-f]{8}", entry.name[len(prefix):])
+                and entry.is_dir(follow_symlinks=False)):
+            continue
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            if _flock(fd, wait=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            (removed if not os.path.lexists(entry.path) else kept).append(entry.name)
+        finally:
+            os.close(fd)
+    if removed:
+        rank_zero_info(f"{target}: removed {', '.join(removed)} beside it, left by an interrupted export")
+    if kept:
+        rank_zero_info(f"{target}: kept {', '.join(kept)} beside it: an export into it is running (or the system "
+                       "cannot lock folders); delete them once none runs")
+
+
+def _is_weight_file(name: str) -> bool:
+    """A weight file of an earlier save, which a new save replaces or (numbered shards) removes."""
+    return name in (SINGLE_FILE, INDEX_FILE, MTP_SHARD) or NUMBERED_SHARD.fullmatch(name) is not None
+
+
+def _copy_other_files(source: Path, staging: Path) -> None:
+    """Copy ``source``'s entries other than weights into ``staging`` (copies: a hard link would let the new save
+    overwrite the old folder's file in place)."""
+    for entry in os.scandir(source):
+        if _is_weight_file(entry.name):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, staging / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry.path, staging / entry.name, follow_symlinks=False)
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``; an existing ``target`` is moved aside first, and removed once the new one is
+    in place (put back if the second rename fails)."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    retired = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+    os.rename(target, retired)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(retired, target)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+    if retired.exists():
+        rank_zero_warn(f"{target}: could not delete the previous folder, moved to {retired}: delete it")
 
 
 def _add_tensors(folder: str, tensors: dict[str, Tensor]) -> None:
