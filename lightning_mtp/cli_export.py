@@ -30,7 +30,9 @@ import argparse
 import importlib
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from lightning_mtp.checkpointing import read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_checkpoint import checkpoint_model_class, without_missing_folder
@@ -147,6 +149,7 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
     rebuilt = {k: v for k, v in without_missing_folder(checkpoint, hparams).items() if hparams.get(k) != v}
     module = cls.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True, **rebuilt)
     check_exportable(module)  # before any folder is made
+    as_saved(module, checkpoint.get("state_dict") or {})
     def write(folder: str) -> None:
         module.save_pretrained(folder, serving_copies=serving_copies, shown_as=out)
         if module.mtp_tokenizer:  # the tokenizer the weights were trained with, so the folder is complete
@@ -154,6 +157,17 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
 
     write_folder(str(target), write, keep_other_files=False)  # whole or not at all, as save_pretrained
     return out
+
+
+def as_saved(module: Any, state: dict) -> None:
+    """Each weight of ``module`` in the dtype ``state`` holds it in: ``load_state_dict`` copies into the module's own
+    (float32 for a trunk built from its config), so a ``bf16-true`` fit would otherwise export at twice its size.
+    The values are the checkpoint's exactly (widened, then narrowed back)."""
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            saved = state.get(name)
+            if isinstance(saved, torch.Tensor) and saved.is_floating_point() and saved.dtype != tensor.dtype:
+                tensor.data = tensor.data.to(saved.dtype)
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -151,3 +151,20 @@ def test_hf_refusals_read_as_one_line_naming_the_fix(tmp_path, capsys):
         err = cli_refusal(export_args(ckpt, tmp_path / "out"), capsys)
         assert len(err.strip().splitlines()) == 1 and expected in err, err
         assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["model.ckpt"]
+
+
+def test_a_bf16_checkpoint_exports_as_bf16_with_its_exact_values(tmp_path):
+    """A ``bf16-true`` fit's checkpoint holds bf16 weights; the export must not widen them to float32 (twice the
+    size) and must keep every value."""
+    from safetensors.torch import load_file
+
+    model = native_model("glm4_moe", 1).to(torch.bfloat16)
+    ckpt = save_checkpoint(model, tmp_path / "bf16.ckpt")
+    cli_main(export_args(ckpt, tmp_path / "out"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {t.dtype for t in exported.values()} <= {torch.bfloat16, torch.float32}
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    embed = saved["trunk.model.embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16 and torch.equal(exported["model.embed_tokens.weight"], embed)
+    floats = [t for t in exported.values() if t.is_floating_point()]
+    assert sum(t.dtype == torch.bfloat16 for t in floats) >= len(floats) - 4  # the MoE routers may stay float32
