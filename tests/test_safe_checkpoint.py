@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import REPO, cli_refusal, tiny_fit_args, tiny_predict_args
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 from lightning_mtp import MTPConfig
@@ -125,6 +126,33 @@ def test_a_signal_saves_last_and_the_resumed_fit_equals_the_uninterrupted(tmp_pa
     _, resumed, _ = fit(tmp_path, cache, ckpt_path=str(last))
     assert_same_weights(reference, resumed)
     assert resumed.mtp_draft_temperatures == pytest.approx(reference.mtp_draft_temperatures, abs=1e-9)
+
+
+class StepLog(Logger):
+    """The steps at which ``train/loss`` was logged (what TensorBoard would plot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    name, version = "steps", 0
+
+    def log_metrics(self, metrics, step=None):
+        if "train/loss" in metrics:
+            self.steps.append(step)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_the_step_a_signal_stops_at_is_logged_once_and_the_resumed_fit_logs_the_rest(tmp_path, uninterrupted):
+    cache = uninterrupted[0]
+    stopped, resumed = StepLog(), StepLog()
+    with pytest.raises(SystemExit):
+        fit(tmp_path, cache, extra=[SendSignal(5, signal.SIGTERM)], logger=stopped, log_every_n_steps=1)
+    fit(tmp_path, cache, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), logger=resumed, log_every_n_steps=1)
+    assert stopped.steps == [0, 1, 2, 3, 4]  # the fifth step's loss included: it was trained and saved
+    assert resumed.steps == [5, 6, 7]
 
 
 def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path, uninterrupted):

@@ -147,6 +147,7 @@ class SafeCheckpoint(ModelCheckpoint):
                and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes)
         due = self._agree(trainer, due)  # every rank must stop, and take part in a save, at the same batch
         if self._stop_signal:
+            _log_this_step(trainer)  # stopping here skips the loop's logging of the step that was trained and saved
             raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
         if due and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -304,6 +305,17 @@ def _recover_interrupted_swaps(folder: Path) -> None:
             restore_interrupted_swap(str(folder / entry.name[1 : -len(".previous")]))
         elif entry.name.startswith(".") and entry.name.endswith(".partial"):
             _remove(str(entry))
+
+
+def _log_this_step(trainer: L.Trainer) -> None:
+    """What the training loop does after ``on_train_batch_end`` to log a step (Lightning 2.x's logger connector), so
+    that the step a signal stops at reaches TensorBoard: the resumed fit starts at the next one."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "update_train_step_metrics"):
+        connector.on_batch_end()
+        connector.update_train_step_metrics()
+        for logger in trainer.loggers:
+            logger.save()
 
 
 def _tell(trainer: L.Trainer, message: str) -> None:
