@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import (
+    CORPUS_FLAG,
     FileSpan,
     UndecodableTally,
     check_corpus,
@@ -69,6 +69,9 @@ DATA_SETTINGS = ("tokenizer", "vocab_size", "corpus", "max_bytes", "seed", "val_
 _TOKENS_FORMAT_VERSION = 1
 """Bump when the token cache layout or the joining of files changes."""
 
+_FINGERPRINT_FILES = 2000
+"""A checkpoint lists the corpus files up to this many (to name what changed on resume); beyond, their digest only."""
+
 _TOKENIZE_CHUNK = 64
 """Files encoded per ``encode_batch`` call (bounds peak memory of the encodings)."""
 
@@ -89,6 +92,39 @@ def _read_tallied(spans: Sequence[FileSpan], tally: UndecodableTally) -> list[st
         tally.add(span.path, len(text), replaced)
         texts.append(text)
     return texts
+
+
+def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
+    """How the corpus ``now`` differs from the ``saved`` one (both :meth:`TextDataModule.corpus_fingerprint`), in a
+    few words; ``None`` when it is the same.
+
+    Example::
+
+        >>> before = {"digest": "a", "count": 1, "bytes": 10, "files": [["x.jsonl", 10, 1, 0, 10]]}
+        >>> after = {"digest": "b", "count": 2, "bytes": 25,
+        ...          "files": [["x.jsonl", 20, 2, 0, 20], ["y.jsonl", 5, 3, 0, 5]]}
+        >>> corpus_change(before, after)
+        '1 file(s) added (first y.jsonl), 1 changed (first x.jsonl: 10 -> 20 bytes)'
+    """
+    if saved.get("digest") == now.get("digest"):
+        return None
+    if saved.get("files") is None or now.get("files") is None:
+        return f"{saved.get('count')} file(s) of {saved.get('bytes')} bytes then, {now['count']} of {now['bytes']} now"
+    old = {row[0]: row for row in saved["files"]}
+    new = {row[0]: row for row in now["files"]}
+    parts = []
+    added = [name for name in new if name not in old]
+    removed = [name for name in old if name not in new]
+    changed = [name for name in new if name in old and new[name] != old[name]]
+    if added:
+        parts.append(f"{len(added)} file(s) added (first {added[0]})")
+    if removed:
+        parts.append(f"{len(removed)} removed (first {removed[0]})")
+    if changed:
+        first = changed[0]
+        how = (f"{old[first][1]} -> {new[first][1]} bytes" if old[first][1] != new[first][1] else "modified")
+        parts.append(f"{len(changed)} changed (first {first}: {how})")
+    return ", ".join(parts) or "the files' order changed"
 
 
 def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
@@ -121,16 +157,17 @@ class TextDataModule(L.LightningDataModule):
 
     Args:
         corpus: ``None`` uses the Python standard library's sources; else a file, folder or glob. ``.jsonl``,
-            ``.json``, ``.parquet``, ``.csv`` and ``.txt`` files are read as records with ``datasets``
-            (:mod:`~lightning_mtp.data.records`: text or chat, packed or padded rows with labels); other files (source
-            code) are read whole, joined by EOS and cut into windows.
+            ``.json``, ``.parquet`` and ``.csv`` files (and ``.txt`` files beside them) are read as records with
+            ``datasets`` (:mod:`~lightning_mtp.data.records`: text or chat, packed or padded rows with labels); other
+            files (source code, ``.txt`` files alone) are read whole, joined by EOS and cut into windows.
         tokenizer: ``"bpe"`` (byte-level BPE trained on the train split), ``"byte"`` (raw UTF-8 bytes), a local
             model folder or ``tokenizer.json`` (:mod:`~lightning_mtp.data.pretrained_tokenizer`), or ``None``: the
             model folder's own when the model is loaded from one (``HFCausalLM(pretrained=DIR)``), else ``"bpe"``.
         vocab_size: BPE vocabulary size incl. special tokens (≥ 258); ignored by ``"byte"`` (always 258).
         seq_len: tokens per training window (≥ 2).
         batch_size: windows (or prompts) per batch.
-        val_fraction: share of files held out for validation (a single-file corpus holds out its tail).
+        val_fraction: share of records (a record corpus) or of files held out for validation (a single raw file
+            holds out its tail).
         max_bytes: read at most this many corpus bytes (first files in sorted order), for quick runs.
         cache_dir: where tokenizers and token ids are cached.
         num_workers: ``DataLoader`` worker processes.
@@ -233,6 +270,7 @@ class TextDataModule(L.LightningDataModule):
         self.predict_dataset: Optional[PromptDataset] = None
         self._train_loader: Optional[ResumableDataLoader] = None
         self._train_loader_state: Optional[dict[str, int]] = None
+        self._corpus_state: Optional[dict[str, Any]] = None
 
     # ----------------------------------------------------------------- corpus and tokenizer
 
@@ -258,7 +296,8 @@ class TextDataModule(L.LightningDataModule):
                     "--data.tokenizer unset (null: the model folder's tokenizer) or give the folder")
             if self.tokenizer_kind == "bpe" and self.records is not None:
                 self._tokenizer = BPETokenizer.train(self.records.files, self.requested_vocab_size, self.cache_dir,
-                                                     texts=self.records.training_texts)
+                                                     texts=self.records.training_texts,
+                                                     texts_key=self.records.training_texts_key())
             else:
                 train = self.corpus_splits()[0] if self.tokenizer_kind == "bpe" else []
                 self._tokenizer = build_tokenizer(self.tokenizer_kind, train, self.requested_vocab_size,
@@ -388,9 +427,7 @@ class TextDataModule(L.LightningDataModule):
             **counts,
             "val_files": [str(s.path) for s in val],
         }
-        tmp = out / ".meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        os.replace(tmp, out / "meta.json")
+        atomic_write(out / "meta.json", lambda fh: fh.write(json.dumps(meta, indent=1).encode("utf-8")))
         return out
 
     def setup(self, stage: Optional[str] = None) -> None:
@@ -409,6 +446,7 @@ class TextDataModule(L.LightningDataModule):
         if self.records is not None:
             self.records.build(self.load_tokenizer(), self.num_proc)
             self.train_dataset, self.val_dataset = self.records.train_rows, self.records.val_rows
+            self._corpus_fingerprint()  # the files as they are now, for the checkpoint (a resume compares)
             return
         out = self._token_dir or self._prepare()
         train = np.load(out / "train.npy", mmap_mode="r")
@@ -426,6 +464,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_tokens, self.val_tokens = train, val
         self.train_dataset = TokenWindowDataset(train, self.seq_len)
         self.val_dataset = TokenWindowDataset(val, self.seq_len)
+        self._corpus_fingerprint()
 
     # ----------------------------------------------------------------- loaders
 
@@ -458,15 +497,55 @@ class TextDataModule(L.LightningDataModule):
         return loader
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's position. Lightning also saves it with the loop state; keeping it here as well
-        restores it when the loader is built before the loops are restored (``configure_optimizers`` asking
+        """The training loader's position and the corpus the rows come from (:meth:`corpus_fingerprint`). Lightning
+        saves it in the checkpoint; it also saves the loader's position with the loop state, and keeping it here as
+        well restores it when the loader is built before the loops are restored (``configure_optimizers`` asking
         ``trainer.estimated_stepping_batches``, Lightning #20550)."""
-        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
+        state: dict[str, Any] = {}
+        if self.train_dataset is not None:
+            state["corpus"] = self._corpus_fingerprint()
+        if self._train_loader is not None:
+            state["train_loader"] = self._train_loader.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the training loader's position; warn (rank zero) when resuming a fit on a corpus whose files
+        changed since the checkpoint was saved: the loader's position then points into other rows."""
+        saved = state_dict.get("corpus")
+        stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)  # TrainerFn: a str
+        if isinstance(saved, dict) and stage in (None, "fit"):
+            change = corpus_change(saved, self._corpus_fingerprint())
+            if change is not None:
+                rank_zero_warn(
+                    f"{CORPUS_FLAG}: the corpus changed since the checkpoint was saved ({change}): the resumed fit "
+                    "trains on the corpus as it is now, so the rest of the interrupted epoch continues on other rows "
+                    "than it would have (an exact resume is impossible), and the validation split may differ; "
+                    "resume on the checkpoint's files for an exact resume")
         self._train_loader_state = state_dict.get("train_loader")
         if self._train_loader is not None and self._train_loader_state is not None:
             self._train_loader.load_state_dict(self._train_loader_state)
+
+    def corpus_fingerprint(self) -> dict[str, Any]:
+        """The corpus files the rows are made of, as the caches key them: each file's path (relative to the corpus
+        root), size, modification time and byte range, with their digest, count and total bytes."""
+        items = self.records.files if self.records is not None else [*self.corpus_splits()[0],
+                                                                      *self.corpus_splits()[1]]
+        root = corpus_root(self.corpus).resolve()
+        rows = []
+        for path, *rest in files_fingerprint(items):
+            try:
+                path = Path(path).relative_to(root).as_posix()
+            except ValueError:
+                pass
+            rows.append([str(path), *rest])
+        digest = hashlib.sha1(json.dumps(rows).encode("utf-8")).hexdigest()
+        return {"digest": digest, "count": len(rows), "bytes": sum(row[1] for row in rows),
+                "files": rows if len(rows) <= _FINGERPRINT_FILES else None}
+
+    def _corpus_fingerprint(self) -> dict[str, Any]:
+        if self._corpus_state is None:
+            self._corpus_state = self.corpus_fingerprint()
+        return self._corpus_state
 
     def val_dataloader(self) -> DataLoader:
         """All held-out windows, in order."""

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_mtp.data.atomic import atomic_write
+from lightning_mtp.data.atomic import atomic_write, private_folder, publish_folder
 
 IGNORE_INDEX = -100
 
@@ -30,35 +30,44 @@ IGNORE_INDEX = -100
 def pack(records: Any, seq_len: int, folder: Path) -> Path:
     """Concatenate the records' documents into rows of ``seq_len`` (``ids.npy``, ``labels.npy``,
     ``positions.npy``: (rows, seq_len) each, memory-mapped), positions restarting at each document and each row;
-    the tail that does not fill a row is dropped. Returns ``folder``."""
-    done = folder / "packed.json"
-    if done.is_file():
+    the tail that does not fill a row is dropped. Returns ``folder``.
+
+    The arrays are written into a folder private to this process and renamed to ``folder`` when complete, so runs
+    sharing a cache never write into one another's files (the first to finish is kept)."""
+    if _packed(folder):
         return folder
     total = int(sum(records["length"]))
     rows = total // seq_len
     if rows == 0:
         raise ValueError(f"--data.seq_len: the records hold {total} tokens, fewer than one row of --data.seq_len="
                          f"{seq_len}: use more data or a smaller --data.seq_len")
-    folder.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.lib.format.open_memmap(folder / f"{name}.npy.partial", mode="w+", dtype=np.int64,
-                                              shape=(rows * seq_len,)) for name in ("ids", "labels", "positions")}
-    at = 0
-    for ids, labels in _documents(records):
-        take = min(len(ids), rows * seq_len - at)
-        if take <= 0:
-            break
-        arrays["ids"][at : at + take] = ids[:take]
-        arrays["labels"][at : at + take] = labels[:take]
-        offsets = np.arange(at, at + take)
-        starts = np.maximum(at, offsets - offsets % seq_len)  # restart at the document's start or the row's
-        arrays["positions"][at : at + take] = offsets - starts
-        at += take
-    for name, array in arrays.items():
-        array.flush()
-        del array
-        os.replace(folder / f"{name}.npy.partial", folder / f"{name}.npy")
-    atomic_write(done, lambda fh: fh.write(json.dumps({"rows": rows, "seq_len": seq_len}).encode("utf-8")))
+    tmp = private_folder(folder)
+    try:
+        arrays = {name: np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=np.int64,
+                                                  shape=(rows * seq_len,)) for name in ("ids", "labels", "positions")}
+        at = 0
+        for ids, labels in _documents(records):
+            take = min(len(ids), rows * seq_len - at)
+            if take <= 0:
+                break
+            arrays["ids"][at : at + take] = ids[:take]
+            arrays["labels"][at : at + take] = labels[:take]
+            offsets = np.arange(at, at + take)
+            starts = np.maximum(at, offsets - offsets % seq_len)  # restart at the document's start or the row's
+            arrays["positions"][at : at + take] = offsets - starts
+            at += take
+        for name in list(arrays):
+            arrays.pop(name).flush()  # and closed: the last reference goes
+        atomic_write(tmp / "packed.json", lambda fh: fh.write(json.dumps({"rows": rows, "seq_len": seq_len}).encode()))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_folder(tmp, folder, _packed)
     return folder
+
+
+def _packed(folder: Path) -> bool:
+    return (folder / "packed.json").is_file()
 
 
 def _documents(records: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -1,11 +1,12 @@
 """The user's data: text and chat records in JSONL, JSON, Parquet, CSV or text files, read with ``datasets``.
 
 ``--data.init_args.corpus`` names a file, a folder (searched recursively) or a glob of ``.jsonl``, ``.json``,
-``.parquet``, ``.csv`` or ``.txt`` files. They are read with the ``datasets`` library from local files into Arrow
-tables (memory-mapped from ``<cache_dir>/datasets``, so a corpus larger than memory works), split into train and
-validation records, and tokenized with a progress bar in several processes; the result is cached under
-``<cache_dir>/records/<tokenizer>-<key>``, keyed by the files (paths, sizes, modification times), the tokenizer and
-the settings.
+``.parquet``, ``.csv`` files (``.txt`` files beside them are one record each). They are read with the ``datasets``
+library from local files into Arrow tables (memory-mapped from ``<cache_dir>/datasets``, so a corpus larger than
+memory works), split into train and validation records by a hash of each record's index and the seed (appending
+records never moves an earlier one), and tokenized with a progress bar in several processes; the result is cached
+under ``<cache_dir>/records/<tokenizer>-<key>``, keyed by the files (paths, sizes, modification times), the tokenizer
+and the settings, written in a private folder and renamed into place (runs sharing the cache never collide).
 
 A record is **chat** when its ``messages_field`` (default ``"messages"``) holds a list of ``{"role", "content"}``
 turns: it is rendered with the tokenizer's chat template, and with ``train_on="assistant"`` (the default for chat)
@@ -31,10 +32,12 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from lightning_mtp.data.atomic import atomic_write
+from lightning_mtp.data.atomic import atomic_write, private_folder, publish_folder
 from lightning_mtp.data.corpus import CORPUS_FLAG, is_glob
 from lightning_mtp.data.record_rows import IGNORE_INDEX, PackedRows, PadCollator, RecordRows, pack, warn_cut_records
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
@@ -51,18 +54,20 @@ from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 """File types read as records (``datasets`` builders: json, parquet, csv, text by document)."""
 TRAIN_ON = ("all", "assistant")
-_FORMAT_VERSION = 1
-"""Bump when tokenization or packing changes, so old caches are not reused."""
+_FORMAT_VERSION = 2
+"""Bump when the split, tokenization or packing changes, so old caches are not reused (2: the split hashes each
+record's index with the seed, independent of the number of records; caches written privately, then renamed)."""
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
 
 def record_files(corpus: Optional[str]) -> Optional[list[Path]]:
     """The files of ``corpus`` to read as records, sorted; ``None`` when the corpus is read as raw files instead.
 
-    A file is records when its suffix is one of :data:`RECORD_SUFFIXES`. A folder or glob is records when it holds a
-    structured file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``): those and its ``.txt`` files are read, nothing
-    else. Any other corpus (the standard library default, a folder of source or text files) is read raw: each file
-    whole, filtered by ``--data.suffixes``, joined by EOS and cut into windows.
+    A file, folder or glob is records when it holds a structured file (``.jsonl``, ``.json``, ``.parquet``,
+    ``.csv``): those and its ``.txt`` files (one record each) are read, nothing else. Any other corpus (the standard
+    library default, a source or ``.txt`` file, a folder or glob of them) is read raw: each file whole, filtered by
+    ``--data.suffixes``, joined by EOS and cut into windows (a single file holds out its tail). A folder that
+    ``datasets``' ``save_to_disk`` wrote is refused: its Arrow files are not read.
     """
     if corpus is None:
         return None
@@ -75,9 +80,28 @@ def record_files(corpus: Optional[str]) -> Optional[list[Path]]:
             found += [Path(root) / name for name in names if not name.startswith(".")]
     else:
         found = [Path(corpus)]
+    _refuse_saved_dataset(corpus, found)
     records = sorted(p for p in found if p.suffix.lower() in RECORD_SUFFIXES)
     structured = any(p.suffix.lower() != ".txt" for p in records)
-    return records if records and (structured or len(found) == 1 and not Path(corpus).is_dir()) else None
+    return records if structured else None
+
+
+_SAVED_DATASET = ("dataset_info.json", "state.json")
+"""The files ``datasets.Dataset.save_to_disk`` writes beside its ``data-*.arrow`` files."""
+
+
+def _refuse_saved_dataset(corpus: str, found: Sequence[Path]) -> None:
+    """Refuse a ``save_to_disk`` folder (``state.json``, ``dataset_info.json`` and Arrow files, or a
+    ``dataset_dict.json``), which is not a format the corpus is read in."""
+    names = {(p.parent, p.name) for p in found}
+    saved = sorted({str(p.parent) for p in found if p.name == "dataset_dict.json" or (
+        p.name == _SAVED_DATASET[1] and (p.parent, _SAVED_DATASET[0]) in names)})
+    if saved:
+        raise ValueError(
+            f"{CORPUS_FLAG}: {saved[0]!r} is a folder that datasets' save_to_disk wrote (Arrow files with "
+            f"{' and '.join(_SAVED_DATASET)}), which is not read: the corpus is records in .jsonl, .json, .parquet or "
+            ".csv files (with .txt files beside them), or raw text files; write the records out, e.g. "
+            "datasets.load_from_disk(DIR).to_parquet('records.parquet'), and give that file")
 
 
 @dataclass(frozen=True)
@@ -105,24 +129,140 @@ class TokenizedRecords:
     folder: Path
 
 
-def load_records(files: Sequence[Path], cache_dir: Path) -> Any:
-    """The records of ``files`` as one ``datasets.Dataset`` (Arrow, memory-mapped), local files only."""
-    datasets = _datasets()
+@dataclass
+class RecordPart:
+    """Records read from files of one type: in JSON a record without a field holds null there (missing); in CSV
+    and Parquet every record has every column, and null is an empty value."""
+
+    dataset: Any
+    files: list[str]
+    json: bool
+
+
+def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart]:
+    """The records of ``files``, read with ``datasets`` (Arrow, memory-mapped, local files only): one part per
+    file type, or per file when files of one type have different fields (a chat file beside a text file)."""
     parts = []
     for suffix in sorted({p.suffix.lower() for p in files}):
         chosen = [str(p) for p in files if p.suffix.lower() == suffix]
-        options = {"sample_by": "document", "encoding_errors": "replace"} if suffix == ".txt" else {}
+        json_part = suffix in (".json", ".jsonl")
+        if suffix != ".parquet" and suffix != ".txt":
+            _refuse_non_utf8(chosen, cache_dir)
         try:
-            part = datasets.load_dataset(_BUILDERS[suffix], data_files=chosen, split="train",
-                                         cache_dir=str(cache_dir / "datasets"), **options)
+            parts.append(RecordPart(_load(suffix, chosen, cache_dir), chosen, json_part))
+            continue
         except Exception as error:  # noqa: BLE001 - a file datasets cannot read: name it and the reason
-            raise ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {chosen[:3]} as records: "
-                             f"{_unreadable(chosen, error)[:300]}") from None
-        parts.append(part)
+            if len(chosen) == 1:
+                raise _cannot_read(suffix, chosen, error) from None
+        for name in chosen:  # files of one type that do not read together: each on its own
+            try:
+                parts.append(RecordPart(_load(suffix, [name], cache_dir), [name], json_part))
+            except Exception as error:  # noqa: BLE001
+                raise _cannot_read(suffix, [name], error) from None
+    return parts
+
+
+def _load(suffix: str, files: list[str], cache_dir: Path) -> Any:
+    options = {"sample_by": "document", "encoding_errors": "replace"} if suffix == ".txt" else {}
+    return _datasets().load_dataset(_BUILDERS[suffix], data_files=files, split="train",
+                                    cache_dir=str(cache_dir / "datasets"), **options)
+
+
+def _cannot_read(suffix: str, files: list[str], error: BaseException) -> ValueError:
+    return ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {files[:3]} as records: "
+                      f"{_unreadable(files, error)[:300]}")
+
+
+def join_record_parts(parts: Sequence[RecordPart]) -> Any:
+    """One ``datasets.Dataset`` of every part's records, in order: each field cast to one type (a ``.jsonl`` file
+    reads text as ``string``, a ``.parquet`` file may hold ``large_string``), and a field some parts lack is null
+    there."""
+    datasets = _datasets()
     if len(parts) == 1:
-        return parts[0]
-    common = set.intersection(*(set(p.column_names) for p in parts))
-    return datasets.concatenate_datasets([p.select_columns(sorted(common)) for p in parts])
+        return parts[0].dataset
+    features: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for part in parts:
+        for name, feature in part.dataset.features.items():
+            if name not in features or _is_null(features[name]):
+                features[name], where[name] = feature, part.files[0]
+    joined = []
+    for part in parts:
+        dataset = part.dataset
+        for name in features:
+            if name not in dataset.column_names:
+                dataset = dataset.add_column(name, [None] * len(dataset), feature=features[name])
+        dataset = dataset.select_columns(list(features))
+        target = datasets.Features({name: features[name] for name in features})
+        if dataset.features != target:
+            try:
+                dataset = dataset.cast(target)
+            except Exception as error:  # noqa: BLE001 - fields of types that do not convert
+                bad = next((n for n in features if dataset.features[n] != features[n]), "?")
+                raise ValueError(
+                    f"{CORPUS_FLAG}: the field {bad!r} holds {_type_name(dataset.features.get(bad))} in "
+                    f"{part.files[0]} and {_type_name(features.get(bad))} in {where.get(bad)}, which cannot be read "
+                    f"as one ({type(error).__name__}): give the field one type in every file") from None
+        joined.append(dataset)
+    return datasets.concatenate_datasets(joined)
+
+
+def load_records(files: Sequence[Path], cache_dir: Path) -> Any:
+    """The records of ``files`` as one ``datasets.Dataset`` (:func:`load_record_parts`, :func:`join_record_parts`)."""
+    return join_record_parts(load_record_parts(files, cache_dir))
+
+
+def _is_null(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) == "null"
+
+
+def _type_name(feature: Any) -> str:
+    dtype = getattr(feature, "dtype", None)
+    return str(dtype) if isinstance(dtype, str) else type(feature).__name__
+
+
+def _refuse_non_utf8(files: Sequence[str], cache_dir: Path) -> None:
+    """Refuse a JSON or CSV file that is not UTF-8 (Arrow keeps a JSON file's bytes, and decoding them fails while
+    tokenizing), naming the file, the line and the byte. A file found UTF-8 is marked under ``<cache_dir>/utf8``
+    (by path, size and modification time), so a second fit does not read it again."""
+    for name in files:
+        stat = Path(name).stat()
+        key = hashlib.sha1(f"{Path(name).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+        mark = cache_dir / "utf8" / key
+        if mark.is_file():
+            continue
+        where = _first_non_utf8(Path(name))
+        if where is None:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        else:
+            line, offset, byte = where
+            raise ValueError(f"{CORPUS_FLAG}: {name} is not UTF-8 text: line {line} (byte {offset}) holds the byte "
+                             f"0x{byte:02x}, which is not UTF-8; records must be UTF-8: convert the file (e.g. "
+                             "iconv -f latin1 -t utf-8)")
+
+
+def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
+    """(line from 1, byte offset from 0, the byte) of the first byte of ``path`` that is not UTF-8; ``None`` when it
+    is all UTF-8 (decoded in large blocks; read line by line only when a block fails)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 24):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+        return None
+    except UnicodeDecodeError:
+        pass
+    offset = 0
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return number, offset + bad.start, line[bad.start]
+            offset += len(line)
+    return None
 
 
 def _is_blank(path: Path) -> bool:
@@ -140,6 +280,10 @@ def _unreadable(files: Sequence[str], error: BaseException) -> str:
     for name in files:
         if _is_blank(Path(name)):
             return f"{name} is empty: it holds no records"
+        bad = _first_non_utf8(Path(name)) if Path(name).suffix.lower() != ".parquet" else None
+        if bad is not None:
+            return (f"{name} is not UTF-8 text: line {bad[0]} (byte {bad[1]}) holds the byte 0x{bad[2]:02x}; convert "
+                    "the file to UTF-8")
         if Path(name).suffix.lower() != ".jsonl":
             continue
         with open(name, encoding="utf-8", errors="replace") as fh:
@@ -162,16 +306,20 @@ def _datasets() -> Any:
     return datasets
 
 
-def record_kind(dataset: Any, settings: RecordSettings, json_records: bool = True) -> bool:
-    """Whether the records are chat (``messages_field`` present) or text (``text_field``); refuses neither, and
-    JSON records without the field the others have (:func:`refuse_missing_field`; in a CSV or Parquet file every
-    record has every column, and a null is an empty value: skipped with the empty records)."""
+def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence[RecordPart]] = None) -> bool:
+    """Whether the records are chat (``messages_field`` present) or text (``text_field``); refuses neither, records
+    without the field the others have (:func:`refuse_missing_field`: a JSON record without it, or every record of a
+    file without that column; in a CSV or Parquet file with the column a null is an empty value, skipped with the
+    empty records), and text records whose field is not a string (:func:`refuse_non_string_text`). ``parts``: the
+    :class:`RecordPart` s ``dataset`` joins, in order (``None``: one part of JSON records)."""
+    parts = [RecordPart(dataset, [], True)] if parts is None else parts
     columns = dataset.column_names
     for chat, field, flag, other in ((True, settings.messages_field, "--data.messages_field", settings.text_field),
                                      (False, settings.text_field, "--data.text_field", settings.messages_field)):
         if field in columns:
-            if json_records:
-                refuse_missing_field(dataset, field, flag, other)
+            refuse_missing_field(dataset, field, flag, other, parts)
+            if not chat:
+                refuse_non_string_text(dataset, field)
             return chat
     raise ValueError(
         f"{CORPUS_FLAG}: the records have neither a {settings.text_field!r} field (--data.text_field) nor a "
@@ -180,20 +328,58 @@ def record_kind(dataset: Any, settings: RecordSettings, json_records: bool = Tru
     )
 
 
-def refuse_missing_field(dataset: Any, field: str, flag: str, other: str) -> None:
-    """Raise when some records lack ``field`` (or hold null there): a file that mixes chats and texts, or records
-    with a misspelt field, would otherwise lose those records silently."""
-    column = dataset.data.column(field)  # Arrow: records without the field hold null
-    missing = column.null_count
+def refuse_missing_field(dataset: Any, field: str, flag: str, other: str,
+                         parts: Optional[Sequence[RecordPart]] = None) -> None:
+    """Raise when some records lack ``field`` (a JSON record without it or with null there, or a file without the
+    column): a file that mixes chats and texts, a folder of chat and text files, or records with a misspelt field
+    would otherwise lose those records silently."""
+    import pyarrow.compute as pc
+
+    parts = [RecordPart(dataset, [], True)] if parts is None else parts
+    missing, first, source, offset = 0, None, None, 0
+    for part in parts:
+        if field not in part.dataset.column_names:
+            lacking, first_here = len(part.dataset), 0
+        elif part.json:
+            column = part.dataset.data.column(field)  # Arrow: records without the field hold null
+            lacking = column.null_count
+            first_here = pc.index(column.is_null(), True).as_py() if lacking else None
+        else:
+            lacking, first_here = 0, None
+        if lacking and first is None:
+            first = offset + first_here
+            source = f"record {first_here} of {part.files[0]}" if len(parts) > 1 and len(part.files) == 1 else None
+        missing += lacking
+        offset += len(part.dataset)
     if missing == 0:
         return
-    first = next(i for i, value in enumerate(column.is_null().to_pylist()) if value)
     fields = sorted(key for key, value in dataset[first].items() if value is not None)
     mixed = f"; the corpus mixes {field!r} and {other!r} records, which one fit cannot train together" if (
         other in fields) else ""
+    where = f"; {source}" if source else ""
     raise ValueError(f"{CORPUS_FLAG}: {missing} of {len(dataset)} records have no {field!r} field ({flag}); the "
-                     f"first is record {first} (from 0, in file order), whose fields are {fields}{mixed}: fix or "
-                     "remove those records")
+                     f"first is record {first} (from 0, in the order read{where}), whose fields are {fields}{mixed}: "
+                     "fix or remove those records")
+
+
+def refuse_non_string_text(dataset: Any, field: str) -> None:
+    """Raise when some text records hold something other than a string (a number, a list) in ``field``: they would
+    otherwise be read as empty texts and skipped."""
+    if getattr(dataset.features[field], "dtype", None) in ("string", "large_string", "null"):
+        return  # an Arrow string column: every value a string or null
+    count, first, value, at = 0, None, None, 0
+    for batch in dataset.select_columns([field]).iter(batch_size=4096):
+        for index, item in enumerate(batch[field], start=at):
+            if item is not None and not isinstance(item, str):
+                count += 1
+                if first is None:
+                    first, value = index, item
+        at += len(batch[field])
+    if count:
+        raise ValueError(f"{CORPUS_FLAG}: {count} of {len(dataset)} text records hold a {field!r} field "
+                         f"(--data.text_field) that is not a string; the first is record {first} (from 0, in the "
+                         f"order read), whose {field!r} is {str(value)[:60]!r} ({type(value).__name__}): a text record "
+                         "holds its text as a string: fix or remove those records")
 
 
 def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
@@ -212,20 +398,39 @@ def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
         )
 
 
+def record_scores(count: int, seed: int) -> np.ndarray:
+    """A score in [0, 1) for each record index ``0 .. count - 1``: a 64-bit integer hash (splitmix64) of the index
+    mixed with the seed. Each score depends on ``(seed, index)`` alone, never on ``count``: records appended later
+    leave the earlier records' scores (and so their split) as they were.
+
+    Example::
+
+        >>> bool((record_scores(5, seed=1) == record_scores(9, seed=1)[:5]).all())
+        True
+    """
+    key = int.from_bytes(hashlib.sha256(f"lightning-mtp split {seed}".encode()).digest()[:8], "little")
+    z = np.arange(count, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)  # wraps mod 2**64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)  # the top 53 bits: exact in a float64
+
+
 def split_records(dataset: Any, val_fraction: float, seed: int) -> tuple[Any, Any]:
-    """Deterministic train / validation records: each record's index is hashed with the seed (at least one each)."""
+    """Deterministic train / validation records: a record is held out when its score (:func:`record_scores`, a hash
+    of its index and the seed) is below ``val_fraction``, so appending records never moves an earlier one between the
+    splits. At least one record goes to each side: with none held out, the lowest score is; with all, the highest
+    is trained on (only tiny corpora need this, and only there can appending move that one record)."""
     count = len(dataset)
     if count < 2:
         raise ValueError(f"{CORPUS_FLAG}: {count} record(s); at least 2 are needed (one to train, one to validate)")
-    scores = np.random.default_rng([seed, count]).random(count)
-    val = np.flatnonzero(scores < val_fraction)
-    if val.size == 0:
-        val = np.array([int(np.argmin(scores))])
-    if val.size == count:
-        val = val[1:]
-    is_val = np.zeros(count, dtype=bool)
-    is_val[val] = True
-    return dataset.select(np.flatnonzero(~is_val).tolist()), dataset.select(val.tolist())
+    scores = record_scores(count, seed)
+    is_val = scores < val_fraction
+    if not is_val.any():
+        is_val[int(np.argmin(scores))] = True
+    if is_val.all():
+        is_val[int(np.argmax(scores))] = False
+    return dataset.select(np.flatnonzero(~is_val).tolist()), dataset.select(np.flatnonzero(is_val).tolist())
 
 
 def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSettings, cache_dir: Path) -> Path:
@@ -240,12 +445,14 @@ def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSe
 
 def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, settings: RecordSettings,
                      folder: Path, num_proc: Optional[int] = None) -> TokenizedRecords:
-    """Tokenize both splits into ``folder`` (or load them when a finished run left them there)."""
-    datasets = _datasets()
-    meta = folder / "meta.json"
-    if meta.is_file():
-        return TokenizedRecords(datasets.load_from_disk(str(folder / "train")),
-                                datasets.load_from_disk(str(folder / "val")), chat, folder)
+    """Tokenize both splits into ``folder`` (or load them when a finished run left them there).
+
+    The splits are written into a folder private to this process beside ``folder`` and renamed into place when
+    complete (:func:`~lightning_mtp.data.atomic.publish_folder`): runs sharing a cache directory (a sweep started
+    from one folder) never write into the files another one reads; when another run finished first, its folder is
+    used and this one's dropped."""
+    if _tokenized(folder):
+        return _load_tokenized(folder, chat)
     train_on = settings.train_on or ("assistant" if chat else "all")
     if chat:
         check_chat_settings(tokenizer, train_on)
@@ -258,25 +465,42 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
     # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
     stem = hashlib.sha1(folder.name.encode("utf-8")).hexdigest()[:16]
-    out = {}
-    for name, part in (("train", train), ("val", val)):
-        mapped = part.map(encode, batched=True, remove_columns=part.column_names, desc=f"tokenizing {name}",
-                          num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
-                          new_fingerprint=f"{stem}-{name}")
-        mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"], batched=True,
-                               new_fingerprint=f"{stem}-{name}-nonempty")
-        if len(mapped) < len(part):
-            from lightning.pytorch.utilities import rank_zero_warn
+    tmp = private_folder(folder)
+    try:
+        kept = {}
+        for name, part in (("train", train), ("val", val)):
+            mapped = part.map(encode, batched=True, remove_columns=part.column_names, desc=f"tokenizing {name}",
+                              num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
+                              new_fingerprint=f"{stem}-{name}")
+            mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"],
+                                   batched=True, new_fingerprint=f"{stem}-{name}-nonempty")
+            if len(mapped) < len(part):
+                from lightning.pytorch.utilities import rank_zero_warn
 
-            rank_zero_warn(f"{CORPUS_FLAG}: {len(part) - len(mapped)} of {len(part)} {name} records have no token to "
-                           "train on and are skipped (empty texts, or chats without an assistant turn)")
-        mapped.save_to_disk(str(folder / name))
-        out[name] = datasets.load_from_disk(str(folder / name))
-    if len(out["train"]) == 0:
-        raise ValueError(f"{CORPUS_FLAG}: no training record has a token to train on (empty texts, or chats without "
-                         "an assistant turn)")
-    atomic_write(meta, lambda fh: fh.write(json.dumps({"chat": chat, "train_on": train_on}).encode("utf-8")))
-    return TokenizedRecords(out["train"], out["val"], chat, folder)
+                rank_zero_warn(f"{CORPUS_FLAG}: {len(part) - len(mapped)} of {len(part)} {name} records have no "
+                               "token to train on and are skipped (empty texts, or chats without an assistant turn)")
+            kept[name] = len(mapped)
+            mapped.save_to_disk(str(tmp / name))
+        if kept["train"] == 0:
+            raise ValueError(f"{CORPUS_FLAG}: no training record has a token to train on (empty texts, or chats "
+                             "without an assistant turn)")
+        atomic_write(tmp / "meta.json",
+                     lambda fh: fh.write(json.dumps({"chat": chat, "train_on": train_on}).encode("utf-8")))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_folder(tmp, folder, _tokenized)
+    return _load_tokenized(folder, chat)
+
+
+def _tokenized(folder: Path) -> bool:
+    return (folder / "meta.json").is_file()
+
+
+def _load_tokenized(folder: Path, chat: bool) -> TokenizedRecords:
+    datasets = _datasets()
+    return TokenizedRecords(datasets.load_from_disk(str(folder / "train")),
+                            datasets.load_from_disk(str(folder / "val")), chat, folder)
 
 
 class _TextEncoder:
@@ -355,11 +579,17 @@ class RecordCorpus:
     def splits(self) -> tuple[Any, Any]:
         """The raw (train, val) records, read once."""
         if self._splits is None:
-            records = load_records(self.files, self.cache_dir)
-            json_records = all(p.suffix.lower() in (".json", ".jsonl") for p in self.files)
-            self.chat = record_kind(records, self.settings, json_records)
+            parts = load_record_parts(self.files, self.cache_dir)
+            records = join_record_parts(parts)
+            self.chat = record_kind(records, self.settings, parts)
             self._splits = split_records(records, self.settings.val_fraction, self.settings.seed)
         return self._splits
+
+    def training_texts_key(self) -> str:
+        """What :meth:`training_texts` depends on beyond the files: the split and the fields read."""
+        settings = self.settings
+        return json.dumps({"split": [settings.seed, settings.val_fraction, _FORMAT_VERSION],
+                           "fields": [settings.text_field, settings.messages_field]})
 
     def training_texts(self) -> Iterator[str]:
         """The train split's text (chat: every turn's content), e.g. to train a BPE tokenizer on."""

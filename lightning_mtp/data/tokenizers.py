@@ -263,21 +263,23 @@ class BPETokenizer(Tokenizer):
         return cls(hf)
 
     @staticmethod
-    def cache_key(files: Sequence[CorpusItem], vocab_size: int) -> str:
+    def cache_key(files: Sequence[CorpusItem], vocab_size: int, texts_key: Optional[str] = None) -> str:
         """Hash of what a trained tokenizer depends on: the files (paths, sizes, mtimes, byte ranges read), the
-        vocab size and the versions of ``tokenizers`` and of this recipe."""
+        vocab size, the versions of ``tokenizers`` and of this recipe, and ``texts_key`` (see :meth:`train`)."""
         payload = {
             "files": files_fingerprint(files),
             "vocab_size": vocab_size,
             "tokenizers": hf_tokenizers.__version__,
             "format": _BPE_FORMAT_VERSION,
+            **({"texts": texts_key} if texts_key is not None else {}),
         }
         return hashlib.sha1(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
     @classmethod
-    def cache_path(cls, files: Sequence[CorpusItem], vocab_size: int, cache_dir: PathLike) -> Path:
+    def cache_path(cls, files: Sequence[CorpusItem], vocab_size: int, cache_dir: PathLike,
+                   texts_key: Optional[str] = None) -> Path:
         """Where ``train`` stores (and looks for) the tokenizer: ``<cache_dir>/tokenizers/bpe-<V>-<key>.json``."""
-        key = cls.cache_key(files, vocab_size)
+        key = cls.cache_key(files, vocab_size, texts_key)
         return Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{key[:16]}.json"
 
     @classmethod
@@ -287,6 +289,7 @@ class BPETokenizer(Tokenizer):
         vocab_size: int,
         cache_dir: Optional[PathLike] = None,
         texts: Optional[Callable[[], Iterable[str]]] = None,
+        texts_key: Optional[str] = None,
     ) -> BPETokenizer:
         """Train on the files' text, or load the tokenizer cached for exactly these files and settings.
 
@@ -296,11 +299,14 @@ class BPETokenizer(Tokenizer):
             cache_dir: where trained tokenizers are kept; ``None`` disables caching.
             texts: what to train on instead of the files' raw text (records: their train split's text fields);
                 the files still key the cache.
+            texts_key: what ``texts`` depends on beyond the files (records: how they are split), in the cache key,
+                so that a tokenizer trained on another split's train records (which saw this one's held-out ones)
+                is not reused.
         """
         cls.check_vocab_size(vocab_size)
         if not files:
             raise ValueError("--data.corpus: no training files to train the BPE tokenizer on")
-        path = None if cache_dir is None else cls.cache_path(files, vocab_size, cache_dir)
+        path = None if cache_dir is None else cls.cache_path(files, vocab_size, cache_dir, texts_key)
         if path is not None and path.is_file():
             return cls.load(path)
         tok = cls.train_from_texts(read_texts(files) if texts is None else texts(), vocab_size)
