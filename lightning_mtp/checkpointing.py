@@ -19,6 +19,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_mtp.sharded import gathered_weights, load_state_dict_whole, state_shapes
+
 CHECKPOINT_KEY = "mtp"
 TOKENIZER_KEY = "tokenizer"
 HEADS_ONLY_KEY = "mtp_heads_only"  # a checkpoint without the trunk's weights (HFCausalLM's frozen trunk)
@@ -108,16 +110,16 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     if state is None:
         return report
     refuse_other_model(module, checkpoint)
-    own = {k: v for k, v in module.state_dict().items() if _is_mtp_key(k)}
+    own = {k: shape for k, shape in state_shapes(module).items() if _is_mtp_key(k)}  # ZeRO-3: real shapes
     saved = {k for k in state if _is_mtp_key(k)}
     report.new = sorted(set(own) - saved)
     report.dropped = sorted(saved - set(own))
     arch = module.mtp_config.architecture
     arch_changed = report.checkpoint_architecture not in (None, arch)
     for key in sorted(saved & set(own)):
-        if tuple(state[key].shape) != tuple(own[key].shape):
+        if tuple(state[key].shape) != own[key]:
             raise ValueError(
-                f"MTP weight {key!r} has shape {tuple(state[key].shape)} in the checkpoint but {tuple(own[key].shape)} "
+                f"MTP weight {key!r} has shape {tuple(state[key].shape)} in the checkpoint but {own[key]} "
                 f"in {type(module).__name__}: the checkpoint was trained with another model width or MTP architecture"
             )
     if report.clean and not arch_changed:
@@ -128,8 +130,10 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
             f"({arch}); the optimizer state cannot match. Start a new fit from the checkpoint's weights "
             "(--model.init_from PATH) instead of --ckpt_path, or resume with the checkpoint's --model.mtp.depth."
         )
-    for key in report.new:
-        state[key] = own[key].detach().clone()
+    tensors = {**module.state_dict(), **dict(module.named_parameters(remove_duplicate=False))}
+    for key in report.new:  # the module's own (fresh) weights; ZeRO-3 partitions gathered (every rank calls this)
+        with gathered_weights([tensors[key]]):
+            state[key] = tensors[key].detach().clone()
     for key in report.dropped:
         del state[key]
     if arch_changed:
@@ -232,6 +236,72 @@ def check_shards(tag_folder: Path, path: Any, flag: str) -> None:
                              "is empty, truncated or not a PyTorch checkpoint (was its writing interrupted?)")
 
 
+def deepspeed_layout(checkpoint: dict) -> tuple[Optional[int], Optional[int], int]:
+    """``(zero_stage, dp_world_size, mp_world_size)`` recorded in a DeepSpeed module-states dict (``None``: unknown)."""
+    config = checkpoint.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    world = checkpoint.get("dp_world_size")
+    return (int(stage) if isinstance(stage, int) else None, int(world) if isinstance(world, int) else None,
+            int(checkpoint.get("mp_world_size") or 1))
+
+
+def read_deepspeed_layout(folder: Any) -> tuple[Optional[int], Optional[int], int]:
+    """:func:`deepspeed_layout` of the DeepSpeed checkpoint folder ``folder``, read from rank 0's module-states file
+    (memory-mapped: ZeRO-1/2's holds the whole module, which is not read)."""
+    found = rank0_model_states(Path(folder))
+    if found is None:
+        return None, None, 1
+    return deepspeed_layout(torch.load(found, mmap=True, map_location="cpu", weights_only=True))
+
+
+def expected_shards(stage: Optional[int], world: Optional[int], mp_world: int = 1) -> list[str]:
+    """The module- and optimizer-states files a ZeRO-``stage`` fit on ``world`` data-parallel processes writes into
+    its tag folder (optimizer files may carry a ``bf16_`` prefix); ``[]`` where the layout is unknown or not ZeRO."""
+    if stage not in (1, 2, 3) or not world or mp_world != 1:
+        return []
+    ranks = range(world)
+    models = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks] if stage == 3
+              else ["mp_rank_00_model_states.pt"])
+    return models + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks]
+
+
+def check_shard_set(tag_folder: Path, checkpoint: dict, path: Any, flag: str) -> None:
+    """Raise ``ValueError`` when a shard that the folder's recorded ZeRO stage and world size call for is missing
+    (a folder copied in part, or a fit stopped while the ranks wrote), before any rank opens the shards."""
+    stage, world, mp_world = deepspeed_layout(checkpoint)
+    missing = [name for name in expected_shards(stage, world, mp_world) if not (tag_folder / name).is_file()
+               and not (name.endswith("_optim_states.pt") and (tag_folder / f"bf16_{name}").is_file())]
+    if missing:
+        raise ValueError(f"{flag} {str(path)!r} is incomplete: its DeepSpeed ZeRO-{stage} fit ran on {world} "
+                         f"processes, but {', '.join(f'{tag_folder.name}/{m}' for m in missing[:3])}"
+                         f"{' and more' if len(missing) > 3 else ''} {'is' if len(missing) == 1 else 'are'} missing "
+                         "(was the folder copied in part, or its writing interrupted?)")
+
+
+def refuse_deepspeed_layout(path: Any, stage: Optional[int], world_size: int, fitting: bool,
+                            flag: str = "--ckpt_path") -> None:
+    """Raise ``ValueError`` (one line) when the DeepSpeed checkpoint folder ``path`` cannot be resumed by a fit
+    (``fitting``) under ZeRO ``stage`` on ``world_size`` processes: its optimizer shards are split for the recorded
+    data-parallel world size (DeepSpeed cannot re-split them), and a ZeRO-3 folder and a ZeRO-1/2 one have other
+    files. Loading weights for predict/validate/test is not refused: it reads the shards whole."""
+    if not fitting or not is_deepspeed_folder(path):
+        return
+    saved_stage, saved_world, mp_world = read_deepspeed_layout(path)
+    new_fit = f"or start a new fit from its weights with --model.init_args.init_from (convert it first: " \
+              f"{convert_command(path)})"
+    # ZeRO-1 and ZeRO-2 write the same files (the optimizer partitioned alike); ZeRO-3 and no ZeRO other ones.
+    if saved_stage is not None and stage is not None and saved_stage != stage and not {saved_stage, stage} <= {1, 2}:
+        raise ValueError(f"{flag} {str(path)!r} is a DeepSpeed ZeRO stage {saved_stage} checkpoint, but this fit runs "
+                         f"ZeRO stage {stage}, which cannot load its shards: resume with "
+                         f"--trainer.strategy.init_args.stage {saved_stage}, {new_fit}")
+    if saved_world is not None and saved_stage and mp_world == 1 and saved_world != world_size:
+        raise ValueError(f"{flag} {str(path)!r} was written by a DeepSpeed ZeRO-{saved_stage} fit on {saved_world} "
+                         f"process{'es' if saved_world != 1 else ''}, but this fit runs on {world_size}: ZeRO's "
+                         f"optimizer shards cannot be split anew, so resume with --trainer.devices {saved_world} "
+                         f"(--trainer.devices x --trainer.num_nodes = {saved_world} processes), {new_fit}")
+
+
 def without_zero3_placeholders(checkpoint: dict) -> dict:
     """Drop a ZeRO-3 module-states file's ``module`` entry: its parameters are empty placeholders (the weights are in
     the optimizer shards), never to be read as weights. ZeRO-1/2's ``module`` holds whole weights and stays."""
@@ -246,7 +316,8 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
 
     A DeepSpeed checkpoint directory reads as its rank-0 module-states file (ZeRO-1/2's ``mp_rank_00_...``, ZeRO-3's
     ``zero_pp_rank_0_mp_rank_00_...``; its shards are checked to be whole, and ZeRO-3's placeholder ``module``
-    entry is left out), a sharded FSDP2 checkpoint directory (``ModelParallelStrategy(save_distributed_checkpoint=
+    entry is left out; every shard that its recorded ZeRO stage and world size call for must be there), a sharded
+    FSDP2 checkpoint directory (``ModelParallelStrategy(save_distributed_checkpoint=
     True)``) as its ``meta.pt`` (hyperparameters, MTP metadata, tokenizer; the sharded weights stay where they are).
     Neither has a ``state_dict``: the strategy that wrote the folder loads its weights (see ``is_deepspeed_folder``).
 
@@ -255,9 +326,11 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
             writes plain types only and never unpickles arbitrary objects).
     """
     file = Path(path)
+    tag_folder = None
     if file.is_dir() and (file / "meta.pt").is_file():  # torch.distributed.checkpoint shards and Lightning's metadata
         file = file / "meta.pt"
     elif file.is_dir():  # a DeepSpeed checkpoint: its metadata sits beside rank 0's module states
+        tag_folder = deepspeed_tag_folder(file)
         file = deepspeed_model_states(file, path, flag)
     if not file.is_file():
         raise ValueError(f"{flag} {str(path)!r} does not exist")
@@ -280,6 +353,8 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{flag} {str(path)!r} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
                          "not a dict with a state_dict")
+    if tag_folder is not None:
+        check_shard_set(tag_folder, checkpoint, path, flag)
     return without_zero3_placeholders(checkpoint)
 
 
@@ -322,7 +397,8 @@ def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_fro
 
     Uses ``torch.load(weights_only=True)``: lightning-mtp checkpoints hold plain types only. The checkpoint's
     tokenizer record (if any) is kept on the module (``mtp_tokenizer``), so that data with another tokenizer is
-    refused.
+    refused. Under DeepSpeed ZeRO-3 (a fit's ``configure_model`` runs inside ``deepspeed.zero.Init``) the weights are
+    compared by their real shapes and loaded into the partitions, one gathered module at a time; every rank calls it.
     """
     refuse_deepspeed_folder(path, flag, "a new fit from its weights")  # its module states hold no (whole) weights
     checkpoint = read_checkpoint(path, flag)
@@ -332,7 +408,8 @@ def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_fro
     complete = getattr(module, "mtp_complete_checkpoint", None)  # HFCausalLM: a frozen trunk's keys, its checks
     if complete is not None:
         complete(checkpoint, f"{flag} {path}")
-    missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
+    # Into ZeRO-3 partitions too (a fit's configure_model runs inside deepspeed.zero.Init): gathered module by module.
+    missing, unexpected = load_state_dict_whole(module, checkpoint["state_dict"], strict=False)
     missing = [k for k in missing if not _is_mtp_key(k)]
     if missing or unexpected:
         raise ValueError(f"{flag} {path} does not fit {type(module).__name__}: missing {missing}, "

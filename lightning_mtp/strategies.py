@@ -30,8 +30,9 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_mtp.checkpointing import read_deepspeed_layout
 from lightning_mtp.fsdp import mixed_precision
-from lightning_mtp.sharded import is_fsdp2_module
+from lightning_mtp.sharded import is_fsdp2_module, load_state_dict_whole
 from lightning_mtp.zero_settings import validate_mtp_under_zero, zero_stage
 
 __all__ = ["CPUDeepSpeedStrategy", "FSDP2Strategy", "validate_mtp_under_zero", "zero_stage"]
@@ -155,4 +156,75 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's load (DeepSpeed's engine reads its own folder), refused up front where it cannot work, and
+        whole weights where the engine cannot read them:
+
+        - a fit resumes only from a DeepSpeed folder written with a compatible ZeRO stage on as many processes (the
+          optimizer shards are split per rank): anything else is refused with one line before a shard is opened
+          (:func:`~lightning_mtp.checkpointing.refuse_deepspeed_layout`); a single file is refused too (it holds no
+          optimizer state: start a new fit from it with ``init_from``), unless ``load_full_weights`` asks for it;
+        - ``predict``/``validate``/``test`` from a ZeRO-3 folder (or under ZeRO-3): DeepSpeed 0.19's engine cannot
+          load one without an optimizer, so the shards are read into one fp32 state dict with DeepSpeed's own
+          ``zero_to_fp32`` (every rank, as Lightning's ``load_full_weights`` reads its file) and loaded into the
+          (partitioned) module one gathered module at a time (:meth:`load_model_state_dict`); any number of
+          processes;
+        - ``predict``/``validate``/``test`` from a single checkpoint file (a converted folder, a DDP fit's): whole
+          weights, loaded the same way at any stage.
+        """
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        from lightning_mtp.checkpointing import is_deepspeed_folder, read_checkpoint, refuse_deepspeed_layout
+
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        path = Path(str(checkpoint_path))
+        stage = zero_stage(self)
+        self._mtp_whole_weights = False
+        if is_deepspeed_folder(path):
+            refuse_deepspeed_layout(path, stage, self.world_size, fitting)
+            saved_stage = read_deepspeed_layout(path)[0]
+            if fitting or 3 not in (stage, saved_stage):
+                return super().load_checkpoint(checkpoint_path, weights_only)
+            checkpoint = read_checkpoint(path, "--ckpt_path")
+            checkpoint["state_dict"] = zero_checkpoint_state_dict(path)
+        elif path.is_file() and not fitting:
+            checkpoint = read_checkpoint(path, "--ckpt_path")
+            if "state_dict" not in checkpoint:
+                raise ValueError(f"--ckpt_path {str(path)!r} holds no state_dict: not a checkpoint of a fit")
+        elif path.is_file() and not (self.load_full_weights and self.zero_stage_3):
+            raise ValueError(f"--ckpt_path {str(path)!r} is a single checkpoint file, but a DeepSpeed fit resumes from "
+                             "the checkpoint folder it wrote (its optimizer shards): give that folder, or start a new "
+                             f"fit from this file's weights with --model.init_args.init_from {str(path)!r}")
+        else:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._mtp_whole_weights = True
+        return {key: value for key, value in checkpoint.items() if key not in DEEPSPEED_STATES}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Whole weights that :meth:`load_checkpoint` read itself go into the module, ZeRO-3 partitions gathered one
+        module at a time (:func:`~lightning_mtp.sharded.load_state_dict_whole`); otherwise the engine loaded them."""
+        if not getattr(self, "_mtp_whole_weights", False):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._mtp_whole_weights = False
+        load_state_dict_whole(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+
+DEEPSPEED_STATES = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
+                    "dp_world_size", "mp_world_size", "ds_config", "ds_version", "param_shapes", "frozen_param_shapes",
+                    "frozen_param_fragments", "shared_params", "buffer_names")
+"""DeepSpeed's own entries in a module-states file, left out of the Lightning checkpoint made from one."""
+
+
+def zero_checkpoint_state_dict(folder: Any) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a DeepSpeed checkpoint folder (any ZeRO stage), read whole with DeepSpeed's
+    ``zero_to_fp32`` (the shards of every rank), keyed as the LightningModule's ``state_dict``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    prefix = "_forward_module."  # written by Lightning < 2.1
+    return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in state.items()}
 

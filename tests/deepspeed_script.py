@@ -2,6 +2,14 @@
 
 Run as ``python tests/deepspeed_script.py STAGE OUT_DIR``; Lightning launches the second process itself. Rank 0 writes
 ``OUT_DIR/result.json``, every rank ``OUT_DIR/predict.rank<N>.json``.
+
+Two more modes (tests/test_deepspeed_predict.py):
+
+- ``python tests/deepspeed_script.py cli ARGS...``: ``lightning-mtp ARGS...`` (with ``--trainer.devices 2`` Lightning
+  launches this script again for rank 1, so both ranks get the plain-gloo patch below);
+- ``python tests/deepspeed_script.py init_from STAGE OUT_DIR CKPT``: one step of a new 2-process fit of
+  :func:`make_model` from ``CKPT`` (``init_from``); rank 0 writes the gathered weights before the step, the step's
+  batch and its loss to ``OUT_DIR/init_from.pt``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ SHARED = "embed.weight"  # tied with lm_head.weight
 MAX_NEW_TOKENS = 12
 
 
-def make_model():
+def make_model(**kwargs):
     from lightning_mtp import MTPConfig
     from lightning_mtp.models import CausalLM, ModelConfig
 
@@ -34,6 +42,7 @@ def make_model():
         MTPConfig(depth=2),
         learning_rate=1e-2, warmup_steps=0,
         generation={"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0},
+        **kwargs,
     )
 
 
@@ -92,6 +101,38 @@ class GradientProbe(L.Callback):
             }
             (self.out / "grads.json").write_text(json.dumps(report))
         self.batch = None
+
+
+class FirstStepProbe(L.Callback):
+    """Rank 0 saves the gathered weights before step 0, the step's batch and its loss (``init_from`` mode)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.record = out, {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 0 and not self.record:
+            self.record = {"weights": full_state(module), "batch": batch.clone()}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if "loss" not in self.record:
+            self.record["loss"] = outputs["loss"].detach().clone()
+            if trainer.global_rank == 0:
+                torch.save(self.record, self.out / "init_from.pt")
+
+
+def init_from_main() -> None:
+    """A new 2-process fit (1 step) of :func:`make_model` that starts from ``CKPT`` (``init_from``)."""
+    stage, out, ckpt = int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=CPUDeepSpeedStrategy(stage=stage), max_steps=1, use_distributed_sampler=False,
+                        accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, precision="32-true",
+                        callbacks=[FirstStepProbe(out)])
+    trainer.fit(make_model(init_from=ckpt), DataLoader(train_data(), batch_size=BATCH))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def main() -> None:
@@ -158,4 +199,11 @@ if __name__ == "__main__":
     # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce on first use (a C++ build, about a minute);
     # plain gloo collectives are enough here.
     deepspeed.comm.torch.build_shm_op = lambda: None
-    main()
+    if sys.argv[1] == "cli":
+        from lightning_mtp.cli import main as cli_main
+
+        cli_main(sys.argv[2:])
+    elif sys.argv[1] == "init_from":
+        init_from_main()
+    else:
+        main()
