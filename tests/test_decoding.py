@@ -122,6 +122,44 @@ def test_compiled_decoding_keeps_greedy_output(models):
     copy.deepcopy(model)  # nothing compiled is attached to the module
 
 
+@pytest.mark.parametrize("speculative", [False, True, "auto"])
+def test_several_stop_ids_stop_a_row_at_the_first_of_them(models, speculative):
+    """``eos_token_id`` as a list (EOS and a chat template's end of turn): each row stops right after the first of
+    them it emits, whichever it is, and equals plain decoding without stop ids cut there."""
+    model = models["cascaded"]
+    input_ids, mask, prompts = ragged_prompts()
+    free = [alone(model, p, 30) for p in prompts]
+    stops = [free[0][6], free[2][3]]  # tokens rows 0 and 2 emit part-way
+
+    def cut(tokens):
+        first = next((i for i, t in enumerate(tokens) if t in stops), len(tokens) - 1)
+        return tokens[: first + 1]
+
+    out = model.generate(input_ids, 30, attention_mask=mask, eos_token_id=stops, speculative=speculative)
+    assert rows_of(out) == [cut(tokens) for tokens in free]
+    assert any(len(cut(tokens)) < 30 for tokens in free)
+    with pytest.raises(ValueError, match=r"eos_token_id .*a list of them"):
+        model.generate(input_ids, 4, attention_mask=mask, eos_token_id=[])
+
+
+def test_predict_stops_at_the_datamodules_stop_ids(models):
+    """``predict_step`` defaults ``eos_token_id`` to the datamodule's ``stop_ids`` (EOS and a chat template's end of
+    turn): a chat model's answer ends at its end-of-turn token instead of running on to ``max_new_tokens``."""
+    from types import SimpleNamespace
+
+    model = copy.deepcopy(models["cascaded"])
+    prompt = ragged_prompts()[2][0]
+    free = alone(model, prompt, 20)
+    eos, turn = VOCAB - 1, free[4]  # EOS never emitted; the end of turn five tokens in
+    model._trainer = SimpleNamespace(datamodule=SimpleNamespace(eos_id=eos, pad_id=0, stop_ids=[eos, turn],
+                                                                tokenizer=None))
+    try:
+        out = predict_batch(model, prompt.unsqueeze(0), max_new_tokens=20)
+    finally:
+        model._trainer = None
+    assert out["tokens"] == [free[: free.index(turn) + 1]]
+
+
 def test_sequences_keep_the_input_layout_then_the_new_tokens(models):
     """``sequences`` is ``input_ids`` as given (row 1 left-padded, the others right-padded), then the new tokens;
     a row stopped by EOS is padded with ``pad_token_id`` after it."""
@@ -461,7 +499,8 @@ def test_prediction_writer_records_the_prompts_own_indices(tmp_path):
     from types import SimpleNamespace
 
     writer = PredictionWriter(str(tmp_path / "out"))
-    rank1 = SimpleNamespace(global_rank=1, world_size=2)
+    strategy = SimpleNamespace(root_device="cpu", all_gather=lambda t: t.unsqueeze(0))  # (the stop flag's gather)
+    rank1 = SimpleNamespace(global_rank=1, world_size=2, is_global_zero=False, strategy=strategy)
     writer.on_predict_start(rank1, None)
     prediction = {"tokens": [[4], [5]], "texts": ["x", "y"], "prompt_text": ["p1", "p3"], "stats": None}
     writer.write_on_batch_end(rank1, None, prediction, [1, 3], None, 0)

@@ -7,7 +7,7 @@ first (a module may import its own layer and the ones below):
     config, layers, kernels, zero, zero_settings, fsdp, fsdp_settings, sharded, data, metrics, checkpointing,
     finite
     → heads → loss, outputs, head calls, distillation (a loss term)
-    → decoding (pure functions over a host; it never imports the mixin)
+    → decoding (pure functions over a host; it never imports the mixin), the prediction writer
     → mixin (its ``generate``/``predict_step`` call down into decoding)
     → callbacks, strategies, optim → models → cli
 """
@@ -26,7 +26,7 @@ LAYERS = [
      "lightning_mtp.fsdp", "lightning_mtp.fsdp_settings"),
     ("lightning_mtp.heads", "lightning_mtp.native"),
     ("lightning_mtp.loss", "lightning_mtp.outputs", "lightning_mtp.head_calls", "lightning_mtp.distillation"),
-    ("lightning_mtp.decoding",),
+    ("lightning_mtp.decoding", "lightning_mtp.prediction_writer"),
     ("lightning_mtp.mixin",),
     ("lightning_mtp.callbacks", "lightning_mtp.strategies", "lightning_mtp.optim"),
     ("lightning_mtp.models",),

@@ -278,3 +278,34 @@ def test_a_checkpoint_left_aside_by_an_interrupted_swap_is_found_by_the_cli(tiny
     assert (folder / "last.ckpt").is_file() and not (folder / ".last.ckpt.previous").exists()
     assert len((tmp_path / "predictions" / "generations.jsonl").read_text().splitlines()) == 2
     assert json.loads((tmp_path / "predictions" / "generations.jsonl").read_text().splitlines()[0])["tokens"]
+
+
+def test_sigterm_stops_predict_after_the_batch_keeping_the_previous_outputs(tiny_checkpoint, tmp_path):
+    """``predict`` on many prompts in a subprocess: SIGTERM (a scheduler, ``docker stop``) stops it after the current
+    batch with exit status 143, and the previous run's outputs stay as they were (Lightning's own handler only logged
+    the signal and let the run go on to replace them)."""
+    _, ckpt = tiny_checkpoint
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"def f{i}(x):\n" for i in range(400)))
+    out = tmp_path / "predictions"
+    out.mkdir()
+    for name in ("generations.jsonl", "stats.json"):
+        (out / name).write_text("previous run\n")
+    args = tiny_predict_args(tmp_path, ckpt, "--data.init_args.predict_prompts", str(prompts),
+                             "--model.init_args.generation.max_new_tokens", "24", "--data.init_args.batch_size", "1")
+    env = dict(os.environ, PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
+    process = subprocess.Popen([sys.executable, "-c", f"from lightning_mtp.cli import main; main({args!r})"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        partial, deadline = out / ".generations.jsonl.partial", time.monotonic() + 120
+        while not (partial.exists() and partial.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    assert "SIGTERM: predict stopped" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["generations.jsonl", "stats.json"]  # no partial file left
+    assert all((out / name).read_text() == "previous run\n" for name in ("generations.jsonl", "stats.json"))

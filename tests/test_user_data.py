@@ -366,3 +366,17 @@ def test_another_folders_tokenizer_for_a_model_with_its_own_is_refused_unless_it
         fit(other)
     assert fit(templated).tokenizer.hf.chat_template == PLAIN_TEMPLATE
     assert fit(folder).tokenizer.fingerprint == load_pretrained_tokenizer(str(folder)).fingerprint
+
+
+def test_a_chat_templates_end_of_turn_is_a_stop_id(tok_dir, tmp_path):
+    """The token a chat template ends an answer with (ChatML's ``<|im_end|>``, which the assistant mask trains) is
+    where ``predict`` stops a chat answer, besides EOS; without a template there is none."""
+    chatml = load_pretrained_tokenizer(str(tok_dir))
+    end = chatml.hf.convert_tokens_to_ids("<|im_end|>")
+    assert chatml.end_of_turn_id == end and chatml.stop_ids() == [chatml.eos_id, end]
+    rendered, mask = chatml.render_chat(chat_records(1)[0]["messages"], assistant_mask=True)
+    assert rendered[max(i for i, m in enumerate(mask) if m)] == end  # what training taught the model to emit last
+    bare = load_pretrained_tokenizer(str(tokenizer_folder(tmp_path / "bare", template=None)))
+    assert bare.end_of_turn_id is None and bare.stop_ids() == [bare.eos_id]
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(10)), tok_dir, tmp_path)
+    assert dm.stop_ids == [chatml.eos_id, end]

@@ -372,6 +372,13 @@ class TextDataModule(L.LightningDataModule):
     def pad_id(self) -> int:
         return self.load_tokenizer().pad_id
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """What ``predict`` stops a row at by default: EOS, and a chat template's end of turn (see
+        ``PretrainedTokenizer.end_of_turn_id``)."""
+        tokenizer = self.load_tokenizer()
+        return tokenizer.stop_ids() if hasattr(tokenizer, "stop_ids") else [tokenizer.eos_id]
+
     # ----------------------------------------------------------------- token cache
 
     def token_cache_dir(self) -> Path:

@@ -206,6 +206,38 @@ class PretrainedTokenizer(Tokenizer):
         ids = list(out["input_ids"])
         return ids, (list(out["assistant_masks"]) if assistant_mask else None)
 
+    @property
+    def end_of_turn_id(self) -> Optional[int]:
+        """The special token the chat template ends an answer with (ChatML's ``<|im_end|>``, Llama 3's
+        ``<|eot_id|>``), when it is not EOS: what a chat model emits when its turn is over, so decoding a chat prompt
+        stops there. Found by rendering a short chat with and without its answer; ``None`` without a template or
+        where the answer is not followed by a special token."""
+        if not hasattr(self, "_end_of_turn"):
+            self._end_of_turn = self._find_end_of_turn()
+        return self._end_of_turn
+
+    def _find_end_of_turn(self) -> Optional[int]:
+        if self.chat_template is None:
+            return None
+        question = [{"role": "user", "content": "Hi"}]
+        try:
+            prompt = self.render_chat(question, generation_prompt=True)[0]
+            full = self.render_chat([*question, {"role": "assistant", "content": "Yes"}])[0]
+        except Exception:  # noqa: BLE001 - a template that needs other roles or fields: no end of turn known
+            return None
+        answer = self.hf.encode("Yes", add_special_tokens=False)
+        rest = full[len(prompt):] if full[:len(prompt)] == prompt else []
+        if rest[:len(answer)] != answer or len(rest) <= len(answer):
+            return None
+        token = rest[len(answer)]
+        special = set(self.hf.all_special_ids) | set(getattr(self.hf, "added_tokens_decoder", {}) or {})
+        return int(token) if token in special and token != self.eos_id else None
+
+    def stop_ids(self) -> list[int]:
+        """The ids decoding stops at by default: EOS, and the chat template's :attr:`end_of_turn_id`."""
+        turn = self.end_of_turn_id
+        return [self.eos_id] if turn is None else [self.eos_id, turn]
+
     # ----------------------------------------------------------------- checkpoints and export
     def _spec_payload(self) -> dict:
         return {"json": self._json, "special": self.special_tokens(), "chat_template": self.chat_template}

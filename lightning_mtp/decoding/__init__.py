@@ -15,12 +15,13 @@ Example::
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.drafting import Drafter, Drafts, MTPDrafter
 from lightning_mtp.decoding.host import CausalLMHost, DecodingHost, decoding_host
-from lightning_mtp.decoding.predict import PredictionWriter, predict_batch
+from lightning_mtp.decoding.predict import predict_batch
 from lightning_mtp.decoding.sampling import SamplingParams, choose_tokens, logits_to_probs
 from lightning_mtp.decoding.speculative import decode, generate
 from lightning_mtp.decoding.stats import DecodeStats, GenerateOutput
 from lightning_mtp.decoding.step import accept_typical
 from lightning_mtp.decoding.uncached_host import UncachedHost
+from lightning_mtp.prediction_writer import PredictionWriter  # configs name it lightning_mtp.decoding.PredictionWriter
 
 __all__ = [
     "CausalLMHost",

@@ -61,8 +61,9 @@ class GenerationConfig:
     probability, expanding the ``draft_tree_top_k`` best nodes of each depth down to ``draft_tokens`` (default D)."""
     draft_tree_top_k: int = 4
     """Dynamic tree: candidates per expanded node and nodes expanded per depth."""
-    eos_token_id: Optional[int] = None
-    """Stop a row after it emits this token (``predict_step`` defaults to the datamodule's EOS)."""
+    eos_token_id: Union[int, list[int], None] = None
+    """Stop a row after it emits this token, or any of these (``predict_step`` defaults to the tokenizer's EOS and a
+    chat template's end of turn)."""
     pad_token_id: Optional[int] = None
     """Fills ``sequences`` and ``new_tokens`` after a row's last new token (a row that stopped at EOS), as
     ``transformers`` does. ``None``: the tokenizer's pad id (``predict_step``: the datamodule's; ``generate``: the
@@ -115,8 +116,9 @@ class GenerationConfig:
             raise _fail("draft_tokens", f"must be an integer in [1, {MAX_DRAFT_DEPTH}] or None (= the MTP depth), "
                         f"got {self.draft_tokens!r}")
         self._check_tree()
-        if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
-            raise _fail("eos_token_id", f"must be a token id >= 0 or None, got {self.eos_token_id!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        if self.eos_token_id is not None and not (eos and all(_is_int(i) and i >= 0 for i in eos)):
+            raise _fail("eos_token_id", f"must be a token id >= 0, a list of them, or None, got {self.eos_token_id!r}")
         if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
             raise _fail("pad_token_id", f"must be a token id >= 0 or None, got {self.pad_token_id!r}")
         threshold = self.draft_confidence_threshold

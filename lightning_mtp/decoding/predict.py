@@ -1,8 +1,7 @@
 """``predict_step`` and ``lightning-mtp predict``: decode batches of prompts and write the generations.
 
-``predict_batch`` only wraps :func:`~lightning_mtp.decoding.generate`. :class:`PredictionWriter` writes one JSON line
-per prompt to ``<output_dir>/generations.jsonl`` and the decoding stats of the whole run to
-``<output_dir>/stats.json`` (``self.log`` is not allowed in predict hooks).
+``predict_batch`` only wraps :func:`~lightning_mtp.decoding.generate`;
+:class:`~lightning_mtp.prediction_writer.PredictionWriter` writes what it returns.
 
 Example (``configs/predict.yaml``)::
 
@@ -11,19 +10,13 @@ Example (``configs/predict.yaml``)::
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor, nn
 
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.speculative import generate
-from lightning_mtp.decoding.stats import DecodeStats
 
 
 def _datamodule(module: nn.Module) -> Any:
@@ -67,7 +60,7 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
     datamodule = _datamodule(module)
     config = GenerationConfig(**generation_kwargs)
     if config.eos_token_id is None and getattr(datamodule, "eos_id", None) is not None:
-        config.eos_token_id = int(datamodule.eos_id)
+        config.eos_token_id = list(getattr(datamodule, "stop_ids", None) or [int(datamodule.eos_id)])
     if config.pad_token_id is None and getattr(datamodule, "pad_id", None) is not None:
         config.pad_token_id = int(datamodule.pad_id)
     kwargs = config.to_kwargs()
@@ -79,73 +72,3 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
     tokenizer = getattr(datamodule, "tokenizer", None) if datamodule is not None else None
     texts = [tokenizer.decode(row) for row in tokens] if tokenizer is not None else None
     return {"tokens": tokens, "texts": texts, "prompt_text": batch.get("prompt_text"), "stats": out.stats}
-
-
-class PredictionWriter(BasePredictionWriter):
-    """Writes ``generations.jsonl`` (one line per prompt) and ``stats.json`` (decoding stats of the run).
-
-    Both are written to hidden ``.<name>.partial`` files in ``output_dir`` and moved into place when the run ends
-    well: a run that fails or is stopped leaves the previous run's outputs untouched (and removes its partial files).
-
-    Args:
-        output_dir: directory for the files (created). Under several processes the files get a ``.rank<N>`` suffix.
-
-    Example::
-
-        trainer = L.Trainer(callbacks=[PredictionWriter("predictions")])
-        trainer.predict(model, datamodule=dm, return_predictions=False)
-    """
-
-    FILES = ("generations.jsonl", "stats.json")
-
-    def __init__(self, output_dir: str = "predictions") -> None:
-        super().__init__(write_interval="batch")
-        self.output_dir = Path(output_dir)
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise ValueError(f"PredictionWriter.output_dir (--trainer.callbacks.init_args.output_dir) "
-                             f"{str(output_dir)!r} is a file: give a folder for generations.jsonl and stats.json")
-        self._stats: list[DecodeStats] = []
-        self._rows = 0
-
-    def _path(self, trainer: L.Trainer, name: str) -> Path:
-        suffix = f".rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-        stem, ext = name.rsplit(".", 1)
-        return self.output_dir / f"{stem}{suffix}.{ext}"
-
-    def _partial(self, trainer: L.Trainer, name: str) -> Path:
-        final = self._path(trainer, name)
-        return final.with_name(f".{final.name}.partial")
-
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        try:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"PredictionWriter.output_dir (--trainer.callbacks.init_args.output_dir) "
-                             f"{str(self.output_dir)!r} cannot be created: {error.strerror or error}") from None
-        self._partial(trainer, "generations.jsonl").write_text("", encoding="utf-8")
-        self._stats, self._rows = [], 0
-
-    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: dict,
-                           batch_indices: Optional[Sequence[int]], batch: Any, batch_idx: int,
-                           dataloader_idx: int = 0) -> None:
-        prompts = prediction.get("prompt_text") or [None] * len(prediction["tokens"])
-        texts = prediction.get("texts") or [None] * len(prediction["tokens"])
-        indices = list(batch_indices) if batch_indices else range(self._rows, self._rows + len(prediction["tokens"]))
-        with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
-            for index, prompt, text, tokens in zip(indices, prompts, texts, prediction["tokens"]):
-                record = {"index": int(index), "prompt": prompt, "completion": text, "tokens": tokens}  # prompt's own
-                file.write(json.dumps(record, ensure_ascii=False) + "\n")
-                self._rows += 1
-        self._stats.append(prediction["stats"])
-
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        summary = DecodeStats.combine(self._stats)
-        summary["generation"] = dict(getattr(pl_module, "mtp_generate_kwargs", {}) or {})
-        summary["tau_counts_bonus_token"] = True
-        self._partial(trainer, "stats.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-        for name in self.FILES:  # generations first: a reader of stats.json finds its generations in place
-            os.replace(self._partial(trainer, name), self._path(trainer, name))
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        for name in self.FILES:
-            self._partial(trainer, name).unlink(missing_ok=True)

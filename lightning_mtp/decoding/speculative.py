@@ -98,7 +98,7 @@ def check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
     ``max_new_tokens`` without a word), and such padding would not decode."""
     for name in ("eos_token_id", "pad_token_id"):
         value = getattr(config, name)
-        if value is not None and value >= vocab_size:
+        if value is not None and max(value if isinstance(value, list) else [value]) >= vocab_size:
             raise ValueError(f"{name} (GenerationConfig.{name}, --model.generation.{name}) is {value}, outside the "
                              f"model's vocabulary of {vocab_size} ids: give an id below {vocab_size} (the tokenizer's "
                              "own, or None for its default)")
@@ -242,7 +242,8 @@ def padding_id(config: GenerationConfig) -> int:
     else 0 (unused: without EOS every row generates ``max_new_tokens``)."""
     if config.pad_token_id is not None:
         return config.pad_token_id
-    return config.eos_token_id if config.eos_token_id is not None else 0
+    eos = config.eos_token_id
+    return (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
 
 def finish(state: DecodeState, inputs: Tensor, pad: int, max_drafts: int, batch: int, elapsed: float) -> GenerateOutput:

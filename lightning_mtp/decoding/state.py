@@ -9,7 +9,7 @@ plain tensor code, so a compiled step (``lightning_mtp.decoding.compiled``) can 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -58,8 +58,9 @@ def new_state(prompts: Tensor, lengths: Tensor, max_new_tokens: int, max_drafts:
     )
 
 
-def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: int, eos: Optional[int]) -> Tensor:
-    """Append ``out_tokens[:, :count]`` (B, k+1) to every unfinished row, cut at EOS and at the budget.
+def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: int,
+         eos: Union[int, list[int], None]) -> Tensor:
+    """Append ``out_tokens[:, :count]`` (B, k+1) to every unfinished row, cut at EOS (any of a list) and the budget.
 
     Returns the tokens each row actually advanced by (B,) (0 for finished rows).
     """
@@ -68,7 +69,8 @@ def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: 
     width = out_tokens.shape[1]
     steps = state.steps[:width]
     if eos is not None:
-        is_eos = (out_tokens == eos) & (steps < count.unsqueeze(1))  # (B, k+1)
+        stop = out_tokens == eos if isinstance(eos, int) else torch.isin(out_tokens, out_tokens.new_tensor(eos))
+        is_eos = stop & (steps < count.unsqueeze(1))  # (B, k+1)
         hit = is_eos.any(dim=1)
         count = torch.where(hit, is_eos.long().argmax(dim=1) + 1, count)
     positions = state.newest.unsqueeze(1) + 1 + steps  # (B, k+1)
