@@ -227,6 +227,16 @@ def test_a_prompt_too_long_for_the_context_names_its_line(tiny_checkpoint, tmp_p
     assert "line 3" in err and str(prompts) in err and "--model.init_args.generation.max_new_tokens" in err, err
 
 
+def test_max_new_tokens_filling_the_whole_context_is_named_not_the_prompt(tiny_checkpoint, tmp_path, capsys):
+    workdir, ckpt = tiny_checkpoint
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f():\n", encoding="utf-8")
+    err = cli_refusal(tiny_predict_args(workdir, ckpt, "--data.init_args.predict_prompts", str(prompts),
+                                        "--model.init_args.generation.max_new_tokens", "5000"), capsys)
+    assert "--model.init_args.generation.max_new_tokens 5000 leaves no room for a prompt" in err, err
+    assert "line 1" not in err and "-" not in err.split("context of")[1].split("tokens")[0], err
+
+
 # ------------------------------------------------------------------------------------------ predict outputs
 def test_a_refused_predict_leaves_the_previous_outputs_untouched(tiny_checkpoint, tmp_path, capsys):
     workdir, ckpt = tiny_checkpoint

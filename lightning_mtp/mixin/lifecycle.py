@@ -73,6 +73,10 @@ class MTPLifecycle:
         new_tokens = (getattr(self, "mtp_generate_kwargs", None) or {}).get("max_new_tokens", 64)
         why = (f"the model's decoding context of {context} tokens ({self.mtp_context_flag()}) minus "
                f"--model.init_args.generation.max_new_tokens {new_tokens}")
+        if new_tokens >= context:  # no prompt fits, however short: the budget alone is the fault
+            raise ValueError(f"--model.init_args.generation.max_new_tokens {new_tokens} leaves no room for a prompt in "
+                             f"the model's decoding context of {context} tokens ({self.mtp_context_flag()}): give at "
+                             f"most {context - 1}")
         datamodule.check_prompts_fit(context - new_tokens, why)
 
     def bind_mtp_tokenizer(self, record: dict, source: str = "the checkpoint") -> None:
