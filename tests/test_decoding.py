@@ -580,3 +580,14 @@ def test_a_model_built_lazily_by_generate_decodes_again():
     first = lm.generate(prompt, 6, speculative=False)
     assert not any(t.is_inference() for t in [*lm.parameters(), *lm.buffers()])
     assert torch.equal(lm.generate(prompt, 6).sequences, first.sequences)
+
+
+def test_sampling_settings_at_temperature_zero_are_said_to_be_ignored():
+    with pytest.warns(UserWarning, match=r"top_k / top_p .* with temperature 0 decoding is greedy and ignores them"):
+        GenerationConfig(top_p=0.5, top_k=3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GenerationConfig(top_p=0.5, temperature=0.7)
+        GenerationConfig()

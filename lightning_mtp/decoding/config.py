@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional, Union
 
@@ -128,6 +129,10 @@ class GenerationConfig:
             raise _fail("adaptive_min_reach", f"must be in [0, 1], got {self.adaptive_min_reach!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise _fail("acceptance", f"must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if self.temperature == 0 and (self.top_k is not None or self.top_p not in (None, 1, 1.0)):
+            warnings.warn("top_k / top_p (--model.generation.top_k / top_p) apply to sampling only: with temperature 0 "
+                          "decoding is greedy and ignores them; set --model.generation.temperature > 0 to sample",
+                          UserWarning, stacklevel=3)
         if self.acceptance == "typical" and self.temperature == 0:
             raise _fail("acceptance", "='typical' needs temperature > 0 (greedy decoding is already exact)")
         if not 0 < self.typical_epsilon <= 1:
