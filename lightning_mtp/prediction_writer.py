@@ -90,7 +90,10 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         summary = DecodeStats.combine(self._stats)
-        summary["generation"] = dict(getattr(pl_module, "mtp_generate_kwargs", {}) or {})
+        generation = summary["generation"] = dict(getattr(pl_module, "mtp_generate_kwargs", {}) or {})
+        datamodule = getattr(trainer, "datamodule", None)
+        if generation.get("eos_token_id") is None and getattr(datamodule, "stop_ids", None):
+            generation["eos_token_id"] = list(datamodule.stop_ids)  # what the rows stopped at (predict_batch)
         summary["tau_counts_bonus_token"] = True
         self._partial(trainer, "stats.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         for name in self.FILES:  # generations first: a reader of stats.json finds its generations in place

@@ -59,6 +59,9 @@ def test_chat_finetune_then_predict_from_the_checkpoint_alone(tmp_path):
     tokenizer = tokenizer_from_spec(checkpoint["tokenizer"])
     for row in rows:  # texts decoded with the checkpoint's tokenizer
         assert row["completion"] == tokenizer.decode(row["tokens"]) and len(row["tokens"]) <= 6
+    stats = json.loads((tmp_path / "run" / "predictions" / "stats.json").read_text())
+    assert stats["generation"]["eos_token_id"] == tokenizer.stop_ids() == [tokenizer.eos_id,
+                                                                          tokenizer.end_of_turn_id]  # what was used
 
 
 def test_text_finetune_packs_documents_and_resumes_with_the_same_command(tmp_path):
