@@ -280,14 +280,17 @@ def check_shard_set(tag_folder: Path, checkpoint: dict, path: Any, flag: str) ->
 
 
 def refuse_deepspeed_layout(path: Any, stage: Optional[int], world_size: int, fitting: bool,
-                            flag: str = "--ckpt_path") -> None:
-    """Raise ``ValueError`` (one line) when the DeepSpeed checkpoint folder ``path`` cannot be resumed by a fit
+                            flag: str = "--ckpt_path") -> Optional[int]:
+    """The ZeRO stage the DeepSpeed checkpoint folder ``path`` records (``None``: unknown, or not such a folder).
+    Raises ``ValueError`` (one line) when it cannot be resumed by a fit
     (``fitting``) under ZeRO ``stage`` on ``world_size`` processes: its optimizer shards are split for the recorded
     data-parallel world size (DeepSpeed cannot re-split them), and a ZeRO-3 folder and a ZeRO-1/2 one have other
     files. Loading weights for predict/validate/test is not refused: it reads the shards whole."""
-    if not fitting or not is_deepspeed_folder(path):
-        return
+    if not is_deepspeed_folder(path):
+        return None
     saved_stage, saved_world, mp_world = read_deepspeed_layout(path)
+    if not fitting:
+        return saved_stage
     new_fit = f"or start a new fit from its weights with --model.init_args.init_from (convert it first: " \
               f"{convert_command(path)})"
     # ZeRO-1 and ZeRO-2 write the same files (the optimizer partitioned alike); ZeRO-3 and no ZeRO other ones.
@@ -300,6 +303,7 @@ def refuse_deepspeed_layout(path: Any, stage: Optional[int], world_size: int, fi
                          f"process{'es' if saved_world != 1 else ''}, but this fit runs on {world_size}: ZeRO's "
                          f"optimizer shards cannot be split anew, so resume with --trainer.devices {saved_world} "
                          f"(--trainer.devices x --trainer.num_nodes = {saved_world} processes), {new_fit}")
+    return saved_stage
 
 
 def without_zero3_placeholders(checkpoint: dict) -> dict:

@@ -30,7 +30,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_mtp.checkpointing import read_deepspeed_layout
 from lightning_mtp.fsdp import mixed_precision
 from lightning_mtp.sharded import is_fsdp2_module, load_state_dict_whole
 from lightning_mtp.zero_settings import validate_mtp_under_zero, zero_stage
@@ -184,8 +183,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         stage = zero_stage(self)
         self._mtp_whole_weights = False
         if is_deepspeed_folder(path):
-            refuse_deepspeed_layout(path, stage, self.world_size, fitting)
-            saved_stage = read_deepspeed_layout(path)[0]
+            saved_stage = refuse_deepspeed_layout(path, stage, self.world_size, fitting)  # the layout read once
             if fitting or 3 not in (stage, saved_stage):
                 return super().load_checkpoint(checkpoint_path, weights_only)
             checkpoint = read_checkpoint(path, "--ckpt_path")

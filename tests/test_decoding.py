@@ -137,6 +137,7 @@ def test_several_stop_ids_stop_a_row_at_the_first_of_them(models, speculative):
 
     out = model.generate(input_ids, 30, attention_mask=mask, eos_token_id=stops, speculative=speculative)
     assert rows_of(out) == [cut(tokens) for tokens in free]
+    assert speculative is not True or out.stats.tau > 1.1  # drafts accepted: a stop id can come in a drafted run
     assert any(len(cut(tokens)) < 30 for tokens in free)
     with pytest.raises(ValueError, match=r"eos_token_id .*a list of them"):
         model.generate(input_ids, 4, attention_mask=mask, eos_token_id=[])

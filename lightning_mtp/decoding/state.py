@@ -9,7 +9,7 @@ plain tensor code, so a compiled step (``lightning_mtp.decoding.compiled``) can 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -37,6 +37,8 @@ class DecodeState:
     last_accepted: Tensor
     """(B,) drafts each row accepted in its last drafting step (``auto`` rates the rows that remain)."""
     main_forwards: int = 0
+    stop_ids: Optional[Tensor] = None
+    """(S,) the stop ids of a list ``eos_token_id``, made once per call (:func:`emit`)."""
     cache_len: int = 0
     """Slots of the decoding caches (the tree attention masks span them)."""
 
@@ -69,7 +71,9 @@ def emit(state: DecodeState, out_tokens: Tensor, count: Tensor, max_new_tokens: 
     width = out_tokens.shape[1]
     steps = state.steps[:width]
     if eos is not None:
-        stop = out_tokens == eos if isinstance(eos, int) else torch.isin(out_tokens, out_tokens.new_tensor(eos))
+        if not isinstance(eos, int) and state.stop_ids is None:
+            state.stop_ids = out_tokens.new_tensor(eos)
+        stop = out_tokens == eos if isinstance(eos, int) else torch.isin(out_tokens, state.stop_ids)
         is_eos = stop & (steps < count.unsqueeze(1))  # (B, k+1)
         hit = is_eos.any(dim=1)
         count = torch.where(hit, is_eos.long().argmax(dim=1) + 1, count)
