@@ -58,7 +58,8 @@ from lightning_mtp.data.prompts import (
     check_prompts_path,
     read_numbered_prompts,
 )
-from lightning_mtp.data.records import TRAIN_ON, RecordCorpus, RecordSettings, record_files
+from lightning_mtp.data.record_files import record_files
+from lightning_mtp.data.records import TRAIN_ON, RecordCorpus, RecordSettings
 from lightning_mtp.data.tokenizer_choice import build_tokenizer
 from lightning_mtp.data.tokenizers import TOKENIZER_KINDS, BPETokenizer, Tokenizer, files_fingerprint
 

@@ -1,0 +1,253 @@
+"""Finding and reading the record files of a corpus with ``datasets``: which files are records (and which corpora are
+read raw), each file type read into Arrow tables, files of one type with other fields read apart, and the parts
+joined with one type per field. Files that cannot be read are refused naming the file and the reason (not UTF-8,
+empty, the first line that is not JSON, a ``save_to_disk`` folder).
+
+Example::
+
+    >>> import json, tempfile
+    >>> from pathlib import Path
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "a.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\\n")
+    >>> [p.name for p in record_files(str(folder))]
+    ['a.jsonl']
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_mtp.data.corpus import CORPUS_FLAG, is_glob
+
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+"""File types read as records (``datasets`` builders: json, parquet, csv, text by document)."""
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+
+def record_files(corpus: Optional[str]) -> Optional[list[Path]]:
+    """The files of ``corpus`` to read as records, sorted; ``None`` when the corpus is read as raw files instead.
+
+    A file, folder or glob is records when it holds a structured file (``.jsonl``, ``.json``, ``.parquet``,
+    ``.csv``): those and its ``.txt`` files (one record each) are read, nothing else. Any other corpus (the standard
+    library default, a source or ``.txt`` file, a folder or glob of them) is read raw: each file whole, filtered by
+    ``--data.suffixes``, joined by EOS and cut into windows (a single file holds out its tail). A folder that
+    ``datasets``' ``save_to_disk`` wrote is refused: its Arrow files are not read.
+    """
+    if corpus is None:
+        return None
+    if is_glob(corpus):
+        found = [Path(p) for p in glob.glob(corpus, recursive=True) if Path(p).is_file()]
+    elif Path(corpus).is_dir():
+        found = []
+        for root, dirs, names in os.walk(corpus):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+            found += [Path(root) / name for name in names if not name.startswith(".")]
+    else:
+        found = [Path(corpus)]
+    _refuse_saved_dataset(corpus, found)
+    records = sorted(p for p in found if p.suffix.lower() in RECORD_SUFFIXES)
+    structured = any(p.suffix.lower() != ".txt" for p in records)
+    return records if structured else None
+
+
+_SAVED_DATASET = ("dataset_info.json", "state.json")
+"""The files ``datasets.Dataset.save_to_disk`` writes beside its ``data-*.arrow`` files."""
+
+
+def _refuse_saved_dataset(corpus: str, found: Sequence[Path]) -> None:
+    """Refuse a ``save_to_disk`` folder (``state.json``, ``dataset_info.json`` and Arrow files, or a
+    ``dataset_dict.json``), which is not a format the corpus is read in."""
+    names = {(p.parent, p.name) for p in found}
+    saved = sorted({str(p.parent) for p in found if p.name == "dataset_dict.json" or (
+        p.name == _SAVED_DATASET[1] and (p.parent, _SAVED_DATASET[0]) in names)})
+    if saved:
+        raise ValueError(
+            f"{CORPUS_FLAG}: {saved[0]!r} is a folder that datasets' save_to_disk wrote (Arrow files with "
+            f"{' and '.join(_SAVED_DATASET)}), which is not read: the corpus is records in .jsonl, .json, .parquet or "
+            ".csv files (with .txt files beside them), or raw text files; write the records out, e.g. "
+            "datasets.load_from_disk(DIR).to_parquet('records.parquet'), and give that file")
+
+
+@dataclass
+class RecordPart:
+    """Records read from files of one type: in JSON a record without a field holds null there (missing); in CSV
+    and Parquet every record has every column, and null is an empty value."""
+
+    dataset: Any
+    files: list[str]
+    json: bool
+
+
+def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart]:
+    """The records of ``files``, read with ``datasets`` (Arrow, memory-mapped, local files only): one part per
+    file type, or per file when files of one type have different fields (a chat file beside a text file)."""
+    parts = []
+    for suffix in sorted({p.suffix.lower() for p in files}):
+        chosen = [str(p) for p in files if p.suffix.lower() == suffix]
+        json_part = suffix in (".json", ".jsonl")
+        if suffix != ".parquet" and suffix != ".txt":
+            _refuse_non_utf8(chosen, cache_dir)
+        try:
+            parts.append(RecordPart(_load(suffix, chosen, cache_dir), chosen, json_part))
+            continue
+        except Exception as error:  # noqa: BLE001 - a file datasets cannot read: name it and the reason
+            if len(chosen) == 1:
+                raise _cannot_read(suffix, chosen, error) from None
+        for name in chosen:  # files of one type that do not read together: each on its own
+            try:
+                parts.append(RecordPart(_load(suffix, [name], cache_dir), [name], json_part))
+            except Exception as error:  # noqa: BLE001
+                raise _cannot_read(suffix, [name], error) from None
+    return parts
+
+
+def _load(suffix: str, files: list[str], cache_dir: Path) -> Any:
+    options = {"sample_by": "document", "encoding_errors": "replace"} if suffix == ".txt" else {}
+    return datasets_library().load_dataset(_BUILDERS[suffix], data_files=files, split="train",
+                                    cache_dir=str(cache_dir / "datasets"), **options)
+
+
+def _cannot_read(suffix: str, files: list[str], error: BaseException) -> ValueError:
+    return ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {files[:3]} as records: "
+                      f"{_unreadable(files, error)[:300]}")
+
+
+def join_record_parts(parts: Sequence[RecordPart]) -> Any:
+    """One ``datasets.Dataset`` of every part's records, in order: each field cast to one type (a ``.jsonl`` file
+    reads text as ``string``, a ``.parquet`` file may hold ``large_string``), and a field some parts lack is null
+    there."""
+    datasets = datasets_library()
+    if len(parts) == 1:
+        return parts[0].dataset
+    features: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for part in parts:
+        for name, feature in part.dataset.features.items():
+            if name not in features or _is_null(features[name]):
+                features[name], where[name] = feature, part.files[0]
+    joined = []
+    for part in parts:
+        dataset = part.dataset
+        for name in features:
+            if name not in dataset.column_names:
+                dataset = dataset.add_column(name, [None] * len(dataset), feature=features[name])
+        dataset = dataset.select_columns(list(features))
+        target = datasets.Features({name: features[name] for name in features})
+        if dataset.features != target:
+            try:
+                dataset = dataset.cast(target)
+            except Exception as error:  # noqa: BLE001 - fields of types that do not convert
+                bad = next((n for n in features if dataset.features[n] != features[n]), "?")
+                raise ValueError(
+                    f"{CORPUS_FLAG}: the field {bad!r} holds {_type_name(dataset.features.get(bad))} in "
+                    f"{part.files[0]} and {_type_name(features.get(bad))} in {where.get(bad)}, which cannot be read "
+                    f"as one ({type(error).__name__}): give the field one type in every file") from None
+        joined.append(dataset)
+    return datasets.concatenate_datasets(joined)
+
+
+def load_records(files: Sequence[Path], cache_dir: Path) -> Any:
+    """The records of ``files`` as one ``datasets.Dataset`` (:func:`load_record_parts`, :func:`join_record_parts`)."""
+    return join_record_parts(load_record_parts(files, cache_dir))
+
+
+def _is_null(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) == "null"
+
+
+def _type_name(feature: Any) -> str:
+    dtype = getattr(feature, "dtype", None)
+    return str(dtype) if isinstance(dtype, str) else type(feature).__name__
+
+
+def _refuse_non_utf8(files: Sequence[str], cache_dir: Path) -> None:
+    """Refuse a JSON or CSV file that is not UTF-8 (Arrow keeps a JSON file's bytes, and decoding them fails while
+    tokenizing), naming the file, the line and the byte. A file found UTF-8 is marked under ``<cache_dir>/utf8``
+    (by path, size and modification time), so a second fit does not read it again."""
+    for name in files:
+        stat = Path(name).stat()
+        key = hashlib.sha1(f"{Path(name).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+        mark = cache_dir / "utf8" / key
+        if mark.is_file():
+            continue
+        where = _first_non_utf8(Path(name))
+        if where is None:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        else:
+            line, offset, byte = where
+            raise ValueError(f"{CORPUS_FLAG}: {name} is not UTF-8 text: line {line} (byte {offset}) holds the byte "
+                             f"0x{byte:02x}, which is not UTF-8; records must be UTF-8: convert the file (e.g. "
+                             "iconv -f latin1 -t utf-8)")
+
+
+def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
+    """(line from 1, byte offset from 0, the byte) of the first byte of ``path`` that is not UTF-8; ``None`` when it
+    is all UTF-8 (decoded in large blocks; read line by line only when a block fails)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 24):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+        return None
+    except UnicodeDecodeError:
+        pass
+    offset = 0
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return number, offset + bad.start, line[bad.start]
+            offset += len(line)
+    return None
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether ``path`` holds nothing but whitespace (read until its first other byte)."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _unreadable(files: Sequence[str], error: BaseException) -> str:
+    """Why ``datasets`` could not read ``files``: an empty file, the first JSON line that does not parse
+    (``file: line N``), else the innermost error of the chain (``datasets`` wraps the reader's own message)."""
+    for name in files:
+        if _is_blank(Path(name)):
+            return f"{name} is empty: it holds no records"
+        bad = _first_non_utf8(Path(name)) if Path(name).suffix.lower() != ".parquet" else None
+        if bad is not None:
+            return (f"{name} is not UTF-8 text: line {bad[0]} (byte {bad[1]}) holds the byte 0x{bad[2]:02x}; convert "
+                    "the file to UTF-8")
+        if Path(name).suffix.lower() != ".jsonl":
+            continue
+        with open(name, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, start=1):
+                try:
+                    if line.strip() and not isinstance(json.loads(line), dict):
+                        return f"{name}: line {number} is not a JSON object ({{...}})"
+                except json.JSONDecodeError as bad:
+                    reason = bad.msg.removesuffix(" at")  # "Invalid control character at"
+                    return f"{name}: line {number} is not valid JSON ({reason}, column {bad.colno})"
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def datasets_library() -> Any:
+    import datasets
+
+    return datasets
