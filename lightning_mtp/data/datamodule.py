@@ -67,7 +67,7 @@ DATA_SETTINGS = ("tokenizer", "vocab_size", "corpus", "max_bytes", "seed", "val_
                  "batch_size", "text_field", "messages_field", "train_on", "packing")
 """The init arguments that decide which tokens a fit saw; a checkpoint records them (``tokenizer_record``)."""
 
-_TOKENS_FORMAT_VERSION = 1
+_TOKENS_FORMAT_VERSION = 2  # 2: a model folder's tokenizer gives raw documents its BOS
 """Bump when the token cache layout or the joining of files changes."""
 
 _FINGERPRINT_FILES = 2000
@@ -129,7 +129,9 @@ def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
 
 
 def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Encode documents and join them with ``tokenizer.eos_id`` between them, as one 1-D array of ids.
+    """Encode documents and join them as one 1-D array of ids: a model folder's tokenizer gives each document its own
+    special tokens (its BOS, as records and prompts get them) and EOS last (``encode_document``); the project's own
+    tokenizers (no BOS) put ``tokenizer.eos_id`` between documents.
 
     Example::
 
@@ -140,8 +142,13 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     parts: list[np.ndarray] = []
     eos = np.array([tokenizer.eos_id], dtype=dtype)
+    encode_document = getattr(tokenizer, "encode_document", None)
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
-        for ids in tokenizer.encode_batch(list(texts[start : start + _TOKENIZE_CHUNK])):
+        chunk = list(texts[start : start + _TOKENIZE_CHUNK])
+        if encode_document is not None:
+            parts.extend(np.asarray(ids, dtype=dtype) for ids in encode_document(chunk))
+            continue
+        for ids in tokenizer.encode_batch(chunk):
             if parts:
                 parts.append(eos)
             parts.append(np.asarray(ids, dtype=dtype))
