@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 from model_folders import (  # noqa: E402
+    CHAT_TEMPLATE,
     PLAIN_TEMPLATE,
     chat_records,
     model_folder,
@@ -380,3 +382,127 @@ def test_a_chat_templates_end_of_turn_is_a_stop_id(tok_dir, tmp_path):
     assert bare.end_of_turn_id is None and bare.stop_ids() == [bare.eos_id]
     dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(10)), tok_dir, tmp_path)
     assert dm.stop_ids == [chatml.eos_id, end]
+
+
+def bos_tokenizer_folder(folder):
+    """The test tokenizer, made to add a BOS to every text it encodes with special tokens (as Llama's does)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer_folder(folder)
+    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens(["<s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", backend.token_to_id("<s>"))])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|endoftext|>",
+                                 pad_token="<|pad|>")
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def test_raw_source_files_get_the_model_tokenizers_bos_as_records_do(tmp_path):
+    """Each raw file is a document with the model's own special tokens (BOS first, EOS last), like a text record and
+    a prompt: a tokenizer that adds a BOS gives one per document either way (raw files had none)."""
+    folder = bos_tokenizer_folder(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    bos = hf.bos_token_id
+    texts = [r["text"] for r in text_records(12)]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i, text in enumerate(texts):
+        (raw / f"m{i:02d}.py").write_text(text, encoding="utf-8")
+    dm = datamodule(raw, folder, tmp_path / "a", seq_len=16, val_fraction=0.25)
+    dm.setup("fit")
+    train_files, _ = dm.corpus_splits()
+    ids = np.asarray(dm.train_tokens).tolist()
+    expected = [i for span in train_files for i in hf(span.path.read_text(encoding="utf-8"))["input_ids"]
+                + [hf.eos_token_id]]
+    assert ids == expected and ids.count(bos) == len(train_files) > 0
+    records = datamodule(write_jsonl(tmp_path / "code.jsonl", [{"text": t} for t in texts]), folder, tmp_path / "b")
+    records.setup("fit")
+    rows = all_rows(records.train_dataset) + all_rows(records.val_dataset)
+    assert sum(int((row["input_ids"] == bos).sum()) for row in rows) == len(texts)
+
+
+TOOL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% if 'tool_calls' in message %}{% for call in message['tool_calls'] %}<call>{{ call['function']['name'] }}"
+    "</call>{% endfor %}{% endif %}{% if message['content'] %}{{ message['content'] }}{% endif %}<|im_end|>"
+    "{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML whose assistant turns may call tools (``'tool_calls' in message``: a null key on other turns would crash
+it at ``message['tool_calls']``)."""
+
+
+def tool_chats(count: int) -> list[dict]:
+    calls = [{"type": "function", "function": {"name": "lookup", "arguments": "{}"}}]
+    return [{"messages": [{"role": "user", "content": f"What is f{i}?"},
+                          {"role": "assistant", "content": None, "tool_calls": calls},
+                          {"role": "tool", "content": f"x + {i}"},
+                          {"role": "assistant", "content": f"def f{i}(x):\n    return x + {i}\n"}]}
+            if i % 2 else chat_records(1, start=i)[0] for i in range(count)]
+
+
+def test_assistant_turns_that_call_tools_are_rendered_as_the_template_renders_the_record(tmp_path):
+    """A turn with ``tool_calls`` and no content is taken (OpenAI's format), and the keys Arrow adds to the other turns
+    (null) are not passed to the template: every record's ids are what ``apply_chat_template`` makes of it."""
+    folder = tokenizer_folder(tmp_path / "tok", template=TOOL_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    records = tool_chats(20)
+    dm = datamodule(write_jsonl(tmp_path / "chats.jsonl", records), folder, tmp_path, seq_len=96, val_fraction=0.2)
+    dm.setup("fit")
+    positions = dm.records.positions[0] + dm.records.positions[1]
+    rows = all_rows(dm.records.tokenized.train) + all_rows(dm.records.tokenized.val)
+    for position, row in zip(positions, rows):
+        expected = hf.apply_chat_template(records[position]["messages"], tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert list(row["input_ids"]) == list(expected["input_ids"])
+        assert [label != -100 for label in row["labels"]] == [bool(m) for m in expected["assistant_masks"]]
+    assert any("<call>lookup</call>" in hf.decode(row["input_ids"]) for row in rows)
+
+
+def test_a_record_the_chat_template_refuses_is_named(tmp_path):
+    """A template that raises on a record (a system turn where it has no system role) names the record and the
+    template's reason, instead of a bare Jinja traceback."""
+    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    folder = tokenizer_folder(tmp_path / "tok", template=template + CHAT_TEMPLATE)
+    records = chat_records(12)
+    records[7]["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    dm = datamodule(write_jsonl(tmp_path / "chats.jsonl", records), folder, tmp_path)
+    with pytest.raises(ValueError, match=r"^--data.messages_field: the chat template refused chat record 7 of the "
+                                         r"corpus .*\['system', 'user', 'assistant'\].*System role not supported"):
+        dm.setup("fit")
+
+
+@pytest.mark.parametrize("turn, problem", [({"role": "assistant", "content": None}, "NoneType content"),
+                                           ({"content": "hi"}, "no 'role'"),
+                                           ({"role": "user", "content": ["hi"]}, "list content")])
+def test_a_turn_without_a_role_or_string_content_is_refused_naming_it(tok_dir, tmp_path, turn, problem):
+    records = chat_records(12)
+    records[3]["messages"].append(turn)
+    dm = datamodule(write_jsonl(tmp_path / "chats.jsonl", records), tok_dir, tmp_path)
+    with pytest.raises(ValueError, match=rf"turn 2 of chat record 3 of the corpus .*{problem}"):
+        dm.setup("fit")
+
+
+def test_records_of_token_ids_are_refused_saying_what_to_give_instead(tok_dir, tmp_path):
+    corpus = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 10)
+    with pytest.raises(ValueError, match=r"token ids \('input_ids'\), not text.*--data.text_field.*"
+                                         r"--data.messages_field.*your own DataLoader"):
+        datamodule(corpus, tok_dir, tmp_path).setup("fit")
+
+
+def test_a_validation_split_of_empty_records_is_refused(tok_dir, tmp_path):
+    """The record held out is empty: the fit would run without validation, said only in Lightning's warnings."""
+    from lightning_mtp.data.records import split_positions
+
+    records = text_records(3)
+    _, held_out = split_positions(3, 0.1, 0)
+    for position in held_out:
+        records[position]["text"] = ""
+    dm = datamodule(write_jsonl(tmp_path / "code.jsonl", records), tok_dir, tmp_path, seed=0)
+    with pytest.raises(ValueError, match=r"no validation record has a token to train on \(its 1 record\(s\) are empty.*"
+                                         r"raise --data.val_fraction"):
+        dm.setup("fit")

@@ -55,6 +55,8 @@ TRAIN_ON = ("all", "assistant")
 _FORMAT_VERSION = 2
 """Bump when the split, tokenization or packing changes, so old caches are not reused (2: the split hashes each
 record's index with the seed, independent of the number of records; caches written privately, then renamed)."""
+_TURNS_VERSION = 2
+"""Bump when chat turns are rendered differently (2: a turn's null keys are dropped first, :func:`chat_turns`)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,13 @@ def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence
             if not chat:
                 refuse_non_string_text(dataset, field)
             return chat
+    if "input_ids" in columns:
+        raise ValueError(
+            f"{CORPUS_FLAG}: the records hold token ids ('input_ids'), not text: the data module tokenizes text "
+            f"({settings.text_field!r}, --data.text_field) or chat turns ({settings.messages_field!r}, "
+            "--data.messages_field) itself with the model's tokenizer; give it those, or pass your own DataLoader of "
+            "input_ids / labels batches to Trainer.fit (docs/data.md, 'Your own batches')"
+        )
     raise ValueError(
         f"{CORPUS_FLAG}: the records have neither a {settings.text_field!r} field (--data.text_field) nor a "
         f"{settings.messages_field!r} field (--data.messages_field); their fields are {sorted(columns)}: name the "
@@ -197,7 +206,12 @@ def split_records(dataset: Any, val_fraction: float, seed: int) -> tuple[Any, An
     of its index and the seed) is below ``val_fraction``, so appending records never moves an earlier one between the
     splits. At least one record goes to each side: with none held out, the lowest score is; with all, the highest
     is trained on (only tiny corpora need this, and only there can appending move that one record)."""
-    count = len(dataset)
+    train, val = split_positions(len(dataset), val_fraction, seed)
+    return dataset.select(train), dataset.select(val)
+
+
+def split_positions(count: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """The positions of :func:`split_records`' (train, val) records among ``count``."""
     if count < 2:
         raise ValueError(f"{CORPUS_FLAG}: {count} record(s); at least 2 are needed (one to train, one to validate)")
     scores = record_scores(count, seed)
@@ -206,7 +220,7 @@ def split_records(dataset: Any, val_fraction: float, seed: int) -> tuple[Any, An
         is_val[int(np.argmin(scores))] = True
     if is_val.all():
         is_val[int(np.argmax(scores))] = False
-    return dataset.select(np.flatnonzero(~is_val).tolist()), dataset.select(np.flatnonzero(is_val).tolist())
+    return np.flatnonzero(~is_val).tolist(), np.flatnonzero(is_val).tolist()
 
 
 def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSettings, cache_dir: Path) -> Path:
@@ -214,14 +228,16 @@ def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSe
     included) and the settings."""
     payload = {"files": files_fingerprint(files), "tokenizer": tokenizer.fingerprint,
                "template": getattr(tokenizer, "chat_template", None), "settings": asdict(settings),
-               "format": _FORMAT_VERSION}
+               "format": _FORMAT_VERSION, "turns": _TURNS_VERSION}
     key = hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode("utf-8")).hexdigest()
     return cache_dir / "records" / f"{tokenizer.name}-{key[:16]}"
 
 
 def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, settings: RecordSettings,
-                     folder: Path, num_proc: Optional[int] = None) -> TokenizedRecords:
-    """Tokenize both splits into ``folder`` (or load them when a finished run left them there).
+                     folder: Path, num_proc: Optional[int] = None,
+                     positions: Optional[tuple[list[int], list[int]]] = None) -> TokenizedRecords:
+    """Tokenize both splits into ``folder`` (or load them when a finished run left them there). ``positions``: the
+    splits' records' positions in the corpus (:func:`split_positions`), which a refused chat record is named by.
 
     The splits are written into a folder private to this process beside ``folder`` and renamed into place when
     complete (:func:`~lightning_mtp.data.atomic.publish_folder`): runs sharing a cache directory (a sweep started
@@ -235,8 +251,9 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     elif train_on == "assistant":
         raise ValueError(f"--data.train_on assistant needs chat records (a {settings.messages_field!r} field, "
                          f"--data.messages_field); these are text: use --data.train_on all")
-    encode = _ChatEncoder(tokenizer, settings.messages_field, train_on == "assistant") if chat else _TextEncoder(
-        tokenizer, settings.text_field)
+    encoders = {name: _ChatEncoder(tokenizer, settings.messages_field, train_on == "assistant",
+                                   None if positions is None else positions[i]) if chat else _TextEncoder(
+        tokenizer, settings.text_field) for i, name in enumerate(("train", "val"))}
     procs = num_proc if num_proc is not None else max(1, min(4, os.cpu_count() or 1))
     # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
     # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
@@ -245,7 +262,8 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     try:
         kept = {}
         for name, part in (("train", train), ("val", val)):
-            mapped = part.map(encode, batched=True, remove_columns=part.column_names, desc=f"tokenizing {name}",
+            mapped = part.map(encoders[name], batched=True, with_indices=True, remove_columns=part.column_names,
+                              desc=f"tokenizing {name}",
                               num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
                               new_fingerprint=f"{stem}-{name}")
             mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"],
@@ -257,9 +275,11 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
                                "token to train on and are skipped (empty texts, or chats without an assistant turn)")
             kept[name] = len(mapped)
             mapped.save_to_disk(str(tmp / name))
-        if kept["train"] == 0:
-            raise ValueError(f"{CORPUS_FLAG}: no training record has a token to train on (empty texts, or chats "
-                             "without an assistant turn)")
+        for name, part, what, advice in (("train", train, "training", ""),
+                                         ("val", val, "validation", ": raise --data.val_fraction")):
+            if kept[name] == 0:  # a fit without validation would say so only in Lightning's warnings
+                raise ValueError(f"{CORPUS_FLAG}: no {what} record has a token to train on (its {len(part)} "
+                                 f"record(s) are empty texts, or chats without an assistant turn){advice}")
         atomic_write(tmp / "meta.json",
                      lambda fh: fh.write(json.dumps({"chat": chat, "train_on": train_on}).encode("utf-8")))
     except BaseException:
@@ -285,7 +305,7 @@ class _TextEncoder:
     def __init__(self, tokenizer: Tokenizer, field: str) -> None:
         self.tokenizer, self.field = tokenizer, field
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict, indices: Optional[list[int]] = None) -> dict:
         texts = [text if isinstance(text, str) else "" for text in batch[self.field]]
         encode = getattr(self.tokenizer, "encode_document", None)
         ids = encode(texts) if encode is not None else [
@@ -298,18 +318,29 @@ class _ChatEncoder:
     """A batch of chat records -> ids rendered with the chat template; labels -100 outside the assistant's tokens
     (``assistant_only``) or nowhere."""
 
-    def __init__(self, tokenizer: Tokenizer, field: str, assistant_only: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, field: str, assistant_only: bool,
+                 positions: Optional[list[int]] = None) -> None:
         self.tokenizer, self.field, self.assistant_only = tokenizer, field, assistant_only
+        self.positions = positions  # the split's records' positions in the corpus (None: the split's own)
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict, indices: Optional[list[int]] = None) -> dict:
         all_ids, all_labels = [], []
-        for messages in batch[self.field]:
+        for offset, messages in enumerate(batch[self.field]):
             if not messages:
                 all_ids.append([])
                 all_labels.append([])
                 continue
-            _check_messages(messages)
-            ids, mask = self.tokenizer.render_chat(list(messages), assistant_mask=self.assistant_only)
+            index = None if indices is None else indices[offset]
+            where = ("a chat record" if index is None else
+                     f"chat record {index if self.positions is None else self.positions[index]} of the corpus "
+                     "(counting from 0, files in sorted order)")
+            turns = chat_turns(messages, where)
+            try:
+                ids, mask = self.tokenizer.render_chat(turns, assistant_mask=self.assistant_only)
+            except Exception as error:  # noqa: BLE001 - the template's own refusal (a role it lacks), named
+                roles = [turn.get("role") for turn in turns]
+                raise ValueError(f"--data.messages_field: the chat template refused {where} (roles {roles}): "
+                                 f"{type(error).__name__}: {error}") from error
             labels = ids if mask is None else [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
             if all(label == IGNORE_INDEX for label in labels):
                 ids, labels = [], []  # nothing to train on (no assistant turn)
@@ -318,12 +349,32 @@ class _ChatEncoder:
         return {"input_ids": all_ids, "labels": all_labels, "length": [len(row) for row in all_ids]}
 
 
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ValueError(f"--data.messages_field: a chat record must be a list of {{'role': str, 'content': str}} "
-                         f"turns, got {str(messages)[:120]}")
+def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
+    """A chat record's turns as the chat template gets them: each a ``{"role": str, "content": str}`` dict, whose
+    other keys (``tool_calls``, ``name``...) are kept where the record has them; an assistant turn that calls tools
+    may have no content (null, as OpenAI's format writes it). A key that is null is dropped: Arrow gives every turn
+    of a file each key any turn has, and a template testing ``'tool_calls' in message`` must not see it on others.
+
+    Example::
+
+        >>> chat_turns([{"role": "user", "content": "Hi", "tool_calls": None}])
+        [{'role': 'user', 'content': 'Hi'}]
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f"--data.messages_field: {where} must be a list of {{'role': str, 'content': str}} turns, "
+                         f"got {type(messages).__name__} {str(messages)[:80]}")
+    turns = []
+    for number, turn in enumerate(messages):
+        problem = None
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            problem = "has no 'role' string"
+        elif not isinstance(turn.get("content"), str) and not (turn.get("content") is None and turn.get("tool_calls")):
+            problem = (f"has {type(turn.get('content')).__name__} content (a string is needed; null only with "
+                       "'tool_calls')")
+        if problem is not None:
+            raise ValueError(f"--data.messages_field: turn {number} of {where} {problem}: {str(turn)[:120]}")
+        turns.append({key: value for key, value in turn.items() if value is not None or key == "content"})
+    return turns
 
 
 # ----------------------------------------------------------------------------------------------- the corpus
@@ -347,6 +398,7 @@ class RecordCorpus:
     def __init__(self, files: Sequence[Path], settings: RecordSettings, cache_dir: Path) -> None:
         self.files, self.settings, self.cache_dir = list(files), settings, Path(cache_dir)
         self._splits: Optional[tuple[Any, Any]] = None
+        self.positions: Optional[tuple[list[int], list[int]]] = None  # the (train, val) records' corpus positions
         self.chat: Optional[bool] = None
         self.tokenized: Optional[TokenizedRecords] = None
         self.train_rows: Optional[Dataset] = None
@@ -359,7 +411,8 @@ class RecordCorpus:
             parts = load_record_parts(self.files, self.cache_dir)
             records = join_record_parts(parts)
             self.chat = record_kind(records, self.settings, parts)
-            self._splits = split_records(records, self.settings.val_fraction, self.settings.seed)
+            self.positions = split_positions(len(records), self.settings.val_fraction, self.settings.seed)
+            self._splits = records.select(self.positions[0]), records.select(self.positions[1])
         return self._splits
 
     def training_texts_key(self) -> str:
@@ -385,7 +438,8 @@ class RecordCorpus:
             return
         train, val = self.splits()
         folder = cache_folder(self.files, tokenizer, self.settings, self.cache_dir)
-        self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc)
+        self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
+                                          self.positions)
         self.packed = self.settings.packing if self.settings.packing is not None else not self.chat
         seq_len = self.settings.seq_len
         if self.packed:
@@ -410,7 +464,7 @@ class RecordCorpus:
         field = self.settings.messages_field if self.chat else self.settings.text_field
         for value in val.select_columns([field]).select(range(min(count, len(val))))[field]:
             if self.chat:
-                turns = list(value or [])
+                turns = chat_turns(value or [], "a held-out chat record")
                 last = max((i for i, t in enumerate(turns) if t.get("role") == "assistant"), default=len(turns))
                 ids, _ = tokenizer.render_chat(turns[:last], generation_prompt=True)
             else:
