@@ -212,6 +212,8 @@ class DepthLosses:
     """Per depth (N,) argmax predictions, for accuracies."""
     targets: list[Tensor] = field(default_factory=list)
     """Per depth (N,) targets, ``ignore_index`` where masked."""
+    weights: list[float] = field(default_factory=list)
+    """Per depth its coefficient in ``loss`` (``weight_k``)."""
 
 
 def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
@@ -220,7 +222,8 @@ def combine_parts(parts: Sequence[DepthLossPart]) -> DepthLosses:
     loss = parts[0].loss
     for part in parts[1:]:
         loss = loss + part.loss
-    return DepthLosses(loss, per_depth.detach(), counts, [p.row_argmax for p in parts], [p.targets for p in parts])
+    return DepthLosses(loss, per_depth.detach(), counts, [p.row_argmax for p in parts], [p.targets for p in parts],
+                       [p.weight for p in parts])
 
 
 MLP_RECOMPUTE_CHUNKS = 8

@@ -130,7 +130,7 @@ def test_trunk_runs_once_and_heads_only_on_probed_positions(make_tiny_model):
     assert expected < BATCHES * every_position
 
 
-def test_validation_loss_is_compute_lm_loss_to_the_bit(make_tiny_model):
+def test_validation_loss_is_compute_lm_loss(make_tiny_model):
     """With or without callbacks, the logged losses are compute_lm_loss's: inactive depths never enter them."""
     batch = token_batches()[:BATCH_SIZE]
     for active in (0, 1, 3):
@@ -141,8 +141,10 @@ def test_validation_loss_is_compute_lm_loss_to_the_bit(make_tiny_model):
         alone = validate(model, [], data)
         with torch.no_grad():
             out = model.compute_lm_loss(batch)
-        assert with_callbacks["val/loss"] == alone["val/loss"] == out.loss
-        assert with_callbacks["val/mtp/loss"] == alone["val/mtp/loss"] == out.mtp_loss
+        # (an epoch's loss is summed in float64 over its tokens: one batch's equals compute_lm_loss's to float32's
+        # rounding)
+        assert with_callbacks["val/loss"] == alone["val/loss"] == pytest.approx(float(out.loss), rel=1e-6)
+        assert with_callbacks["val/mtp/loss"] == alone["val/mtp/loss"] == pytest.approx(float(out.mtp_loss), rel=1e-6)
         assert with_callbacks["val/main/loss"] == out.main_loss
         for k in range(1, 4):
             assert (f"val/mtp/loss_depth{k}" in with_callbacks) == (k <= active)
@@ -245,3 +247,30 @@ def test_the_step_finds_the_forward_asked_for_when_its_batch_was_rebuilt(make_ti
     trunk = Counter(model, "mtp_trunk_hidden_states")
     validate(model, both_callbacks(True, max_batches=BATCHES), loader(masked=True))
     assert trunk.calls == BATCHES
+
+
+def test_an_epochs_losses_are_means_over_its_scored_tokens_not_over_its_batches(make_tiny_model):
+    """Two validation batches, one with few scored tokens (a padded chat batch), one with many: each logged epoch
+    loss is the mean over every scored token (sums over counts), as one batch of both would give, and not the mean of
+    the two batches' means, which would weigh a scored token of the small batch ten times as much."""
+    ids = token_batches()[:8]
+    labels = ids.clone()
+    labels[:4, : LENGTH - 3] = -100  # the first batch scores a few tokens per row, the second all of them
+    rows = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    model = make_tiny_model(depth=3)
+    model.mtp_active_depth, model.mtp_loss_weight, model.mtp_depth_weights = 2, 0.3, [1.0, 0.8, 0.64]
+    logged = validate(model, [], DataLoader(rows, batch_size=4))
+    with torch.no_grad():
+        outs = [model.compute_lm_loss(ids[s], labels[s]) for s in (slice(0, 4), slice(4, 8))]
+    sums = sum(out.losses.per_depth.double() * out.losses.valid_counts for out in outs)
+    counts = sum(out.losses.valid_counts for out in outs)
+    means = sums / counts
+    assert 4 * outs[0].losses.valid_counts[0] < outs[1].losses.valid_counts[0]  # the batches differ in scored tokens
+    weights = torch.tensor(outs[0].losses.weights, dtype=torch.float64)
+    expected = {"val/main/loss": means[0], "val/mtp/loss_depth1": means[1], "val/mtp/loss_depth2": means[2],
+                "val/mtp/loss": (weights[1:] * means[1:]).sum(), "val/loss": (weights * means).sum()}
+    for name, value in expected.items():
+        assert float(logged[name]) == pytest.approx(float(value), rel=1e-6), name
+        batch_mean = sum(float(out.losses.per_depth[0]) for out in outs) / 2
+        assert name != "val/main/loss" or abs(float(logged[name]) - batch_mean) > 1e-3  # not the mean of means
+    assert "val/mtp/loss_depth3" not in logged

@@ -191,16 +191,25 @@ class MTPSteps:
     def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:
         on_step = stage == "train"
         sync = stage != "train"
-        values = {f"{stage}/loss": out.loss.detach(), f"{stage}/mtp/loss": out.mtp_loss}
+        names = [f"{stage}/loss", f"{stage}/mtp/loss"]
+        values = {names[0]: out.loss.detach(), names[1]: out.mtp_loss}
         if out.main_loss is not None:
             values[f"{stage}/main/loss"] = out.main_loss
         for k in range(1, self.mtp_active_depth + 1):
             values[f"{stage}/mtp/loss_depth{k}"] = out.depth_losses[k - 1]
+        if not on_step and out.losses is not None:
+            # an epoch's losses are means over its scored tokens (metrics.TokenWeightedLoss), not over batches
+            losses = self.mtp_metrics.losses(stage)
+            for name in values:
+                metric = losses[name[len(stage) + 1:]]
+                metric.update(out.losses.per_depth, out.losses.valid_counts, out.losses.weights,
+                              first=int(out.main_loss is None))
+                values[name] = metric
         for name, value in out.extra_terms.items():
             values[f"{stage}/mtp/{name}"] = value
         self.log_dict(values, on_step=on_step, on_epoch=not on_step, prog_bar=False, batch_size=batch_size,
                       sync_dist=sync)
-        self.log(f"{stage}_loss", out.loss.detach(), on_step=on_step, on_epoch=not on_step, prog_bar=True,
+        self.log(f"{stage}_loss", values[names[0]], on_step=on_step, on_epoch=not on_step, prog_bar=True,
                  batch_size=batch_size, sync_dist=sync, logger=False)
         metrics = self.mtp_metrics.accuracies(stage)
         first = 0 if out.main_loss is not None else None
