@@ -377,3 +377,23 @@ def test_generate_honours_its_seed(make_tiny_model):
         model.generate(prompt, 4, temperature=1.0, seed=1, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="seed"):
         model.generate(prompt, 4, temperature=1.0, seed=-1)
+
+
+def test_a_temperature_near_zero_samples_the_greedy_tokens(make_tiny_model):
+    """Logits over a temperature of 1e-40 overflowed to inf, and every probability became NaN: plain sampling emitted
+    the last id, speculative sampling garbage. The logits' maximum is subtracted first, so a temperature near 0 gives
+    the argmax, as greedy decoding does."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    assert logits_to_probs(logits, 1e-40).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    model = make_tiny_model(depth=2)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    greedy = model.generate(prompt, 12, speculative=False).new_tokens
+    for speculative in (False, True):
+        out = model.generate(prompt, 12, temperature=1e-40, seed=0, speculative=speculative)
+        assert torch.equal(out.new_tokens, greedy), speculative
+
+
+def test_an_unknown_generate_option_is_refused_naming_the_options(make_tiny_model):
+    with pytest.raises(ValueError, match=r"generate\(\): unknown option\(s\) \['repetition_penalty'\]; the options "
+                                         r"are \[.*'temperature'.*'top_p'"):
+        make_tiny_model(depth=2).generate(torch.tensor([[5, 9]]), 4, repetition_penalty=1.2)

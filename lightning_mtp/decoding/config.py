@@ -14,10 +14,11 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH, TreeShape
 from lightning_mtp.finite import is_finite_number
@@ -97,6 +98,16 @@ class GenerationConfig:
     seed: Optional[int] = None
     """Seed of the sampling generator: the same seed gives the same samples (``generate`` also takes a
     ``generator`` instead; ``predict_step`` continues one seeded stream across batches)."""
+
+    @classmethod
+    def from_options(cls, **options: Any) -> GenerationConfig:
+        """A config from keyword options, an unknown one refused naming those it takes (``transformers`` options such
+        as ``repetition_penalty`` or ``min_p`` change the distribution that speculative sampling must keep)."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"generate(): unknown option(s) {unknown}; the options are "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**options)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

@@ -42,7 +42,8 @@ def logits_to_probs(
     most likely tokens whose probability sums to ≥ ``top_p`` (the most likely token always stays). ``temperature``
     must be > 0 here; greedy decoding takes the argmax of the logits instead.
     """
-    scaled = logits.float() / temperature  # (..., V)
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (..., V): ≤ 0, finite as temperature -> 0
     vocab = scaled.shape[-1]
     if top_k is not None and top_k < vocab:
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]  # (..., 1)

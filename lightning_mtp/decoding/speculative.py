@@ -289,7 +289,7 @@ def generate(module: torch.nn.Module, input_ids: Tensor, max_new_tokens: int, *,
     Greedy speculative output equals plain greedy output token for token; sampled output has exactly the plain
     sampling distribution (unless ``acceptance="typical"``, which is lossy).
     """
-    config = GenerationConfig(
+    config = GenerationConfig.from_options(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, speculative=speculative,
         draft_tokens=draft_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **options,
     )
