@@ -110,12 +110,15 @@ class DepthLossSpec:
     chunk_size: Optional[int] = None
     head: Optional[nn.Module] = None  # the module owning head_weight; called instead when it is ZeRO-3-partitioned
     detach_head: bool = False  # score with the head weight detached: no gradient into it (MTPConfig.detach_trunk)
+    normalizer: Optional[Tensor] = None  # scalar: what the summed CE is divided by (None: this batch's n_valid)
 
     def row_weights(self, device) -> tuple[Tensor, Tensor, Tensor]:
-        """Flat targets (N,), per-row weights weight / n_valid (N,) and n_valid."""
+        """Flat targets (N,), per-row weights weight / normalizer (N,) and n_valid; the normalizer is n_valid unless
+        given (the tokens of a whole optimizer step, :mod:`lightning_mtp.mixin.step_tokens`)."""
         targets = self.targets.reshape(-1)
         count = (targets != self.ignore_index).sum()
-        scale = torch.as_tensor(self.weight, dtype=torch.float32, device=device) / count.clamp(min=1)
+        normalizer = count.clamp(min=1) if self.normalizer is None else self.normalizer.to(device).clamp(min=1e-12)
+        scale = torch.as_tensor(self.weight, dtype=torch.float32, device=device) / normalizer
         return targets, scale.expand(targets.shape[0]), count
 
 

@@ -145,7 +145,7 @@ def test_resumable_loader_continues_the_interrupted_pass(num_workers):
     first = iter(interrupted)
     seen = [next(first).tolist() for _ in range(4)]
     state = interrupted.state_dict()
-    assert state == {"epoch": 0, "batches_yielded": 4} and seen == passes[0][:4]
+    assert state == {"epoch": 0, "batches_yielded": 4, "processes": 1, "batch_size": 3} and seen == passes[0][:4]
     resumed = loader()
     resumed.load_state_dict(state)
     assert [b.tolist() for b in resumed] == passes[0][4:]  # the rest of the pass, nothing read twice
@@ -153,3 +153,29 @@ def test_resumable_loader_continues_the_interrupted_pass(num_workers):
     at_end = loader()
     at_end.load_state_dict({"epoch": 0, "batches_yielded": 6})  # saved right at the end of a pass
     assert [b.tolist() for b in at_end] == passes[1]
+
+
+@pytest.mark.parametrize("change", ["processes", "batch_size"])
+def test_a_pass_saved_part_way_is_refused_on_another_number_of_processes_or_batch_size(change):
+    """Skipping the batches a pass had yielded lands where it stopped only with the rows dealt out as before: a
+    checkpoint of 2 processes resumed on 1 (or another batch size) would train some rows twice and others never."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader
+
+    data = torch.arange(40)
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    saved = ResumableDataLoader(data, batch_size=3, sampler=sampler if change == "processes" else None)
+    batches = iter(saved)
+    next(batches), next(batches)
+    state = saved.state_dict()
+    resumed = ResumableDataLoader(data, batch_size=3 if change == "processes" else 4,
+                                  sampler=EpochShuffleSampler(40, seed=0))
+    resumed.load_state_dict(state)
+    flag = {"processes": r"processes 2 -> 1 \(--trainer.devices", "batch_size": r"batch_size 3 -> 4 \(--data.batch"}
+    with pytest.raises(ValueError, match=r"^--ckpt_path: the checkpoint was saved 2 batches into an epoch.*"
+                                         + flag[change]):
+        next(iter(resumed))
+    at_end = ResumableDataLoader(data, batch_size=4, sampler=EpochShuffleSampler(40, seed=0))
+    at_end.load_state_dict({**state, "batches_yielded": 0})  # an epoch's start: nothing to skip, taken
+    assert len(next(iter(at_end))) == 4

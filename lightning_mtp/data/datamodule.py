@@ -497,8 +497,10 @@ class TextDataModule(L.LightningDataModule):
         if not shuffle:
             return DataLoader(dataset, shuffle=False, **options)
         # The generator only seeds workers (the windows need no randomness); the order comes from the sampler.
+        trainer = self.trainer  # the batches a step's gradient is accumulated over read together
         return ResumableDataLoader(dataset, sampler=EpochShuffleSampler(len(dataset), self.seed),
-                                   generator=torch.Generator().manual_seed(self.seed), **options)
+                                   generator=torch.Generator().manual_seed(self.seed),
+                                   accumulate=getattr(trainer, "accumulate_grad_batches", 1), **options)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled windows (seeded, a new order each pass); the last partial batch is dropped when there is at least
@@ -519,9 +521,16 @@ class TextDataModule(L.LightningDataModule):
         state: dict[str, Any] = {}
         if self.train_dataset is not None:
             state["corpus"] = self._corpus_fingerprint()
-        if self._train_loader is not None:
-            state["train_loader"] = self._train_loader.state_dict()
+        loader = self._iterated_train_loader()
+        if loader is not None:
+            state["train_loader"] = loader.state_dict()
         return state
+
+    def _iterated_train_loader(self) -> Optional[ResumableDataLoader]:
+        """The training loader being iterated: under DDP / FSDP the copy Lightning made with a distributed sampler
+        (the one built here never runs), else the one built here."""
+        iterated = getattr(self.trainer, "train_dataloader", None) if self.trainer is not None else None
+        return iterated if isinstance(iterated, ResumableDataLoader) else self._train_loader
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the training loader's position; warn (rank zero) when resuming a fit on a corpus whose files

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -71,13 +72,21 @@ class ResumableDataLoader(DataLoader):
     reached. With an :class:`EpochShuffleSampler` the skipped windows are never read; with any other sampler (e.g. the
     one DDP injects) they are read and dropped. A pass that is left unfinished (``limit_train_batches``) counts as done
     when the next one starts, except across a resume from a checkpoint saved right at that point.
+
+    **Accumulation windows**: with ``accumulate`` > 1 (the trainer's ``accumulate_grad_batches``) the batches of a
+    pass are read a window of ``accumulate`` ahead (batches ``w * accumulate`` to ``(w + 1) * accumulate - 1``, as
+    Lightning groups them into optimizer steps), so that the step of a batch can ask for all the batches its gradient
+    is accumulated with (:meth:`accumulation_window`): each token of the window then weighs the same, however many
+    scored tokens each batch holds.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, accumulate: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.accumulate = max(int(accumulate), 1)
         self._epoch = 0  # the pass being (or about to be) iterated
         self._yielded = 0  # batches of that pass handed out so far
         self._resuming = False
+        self._windows: dict[int, list] = {}  # window number -> its batches (the current and the last ones)
 
     def __iter__(self):
         # A generator: the state is read when the first batch is requested, so a load_state_dict after iter() (as
@@ -86,6 +95,8 @@ class ResumableDataLoader(DataLoader):
             self._resuming = False
             if self._yielded >= len(self):
                 self._epoch, self._yielded = self._epoch + 1, 0
+            elif self._yielded:
+                self._check_same_layout()
         elif self._yielded:  # the previous pass was left unfinished
             self._epoch, self._yielded = self._epoch + 1, 0
         skip = self._yielded
@@ -96,15 +107,59 @@ class ResumableDataLoader(DataLoader):
             batches = super().__iter__()
             for _ in range(skip):
                 next(batches, None)
-        for batch in batches:
+        self._windows = {}
+        for batch in self._read_windows(batches, skip):
             self._yielded += 1
             yield batch
         self._epoch, self._yielded = self._epoch + 1, 0
 
+    def _read_windows(self, batches, start: int):
+        """``batches`` from the pass's batch ``start`` on, each window read whole before its first is handed out."""
+        if self.accumulate == 1:
+            yield from batches
+            return
+        ordinal = start
+        while True:
+            window = ordinal // self.accumulate
+            read = list(itertools.islice(batches, (window + 1) * self.accumulate - ordinal))
+            if not read:
+                return
+            self._windows[window] = read
+            for old in [w for w in self._windows if w < window - 2]:  # a prefetching loop is a batch ahead
+                del self._windows[old]
+            yield from read
+            ordinal += len(read)
+
+    def accumulation_window(self, batch_index: int) -> Optional[list]:
+        """The batches (as collated, before any device transfer) of the window that the pass's batch
+        ``batch_index`` belongs to; ``None`` when it is not held (``accumulate`` is 1, or the window has passed)."""
+        return self._windows.get(batch_index // self.accumulate) if self.accumulate > 1 else None
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batches_yielded": self._yielded}
+        return {"epoch": self._epoch, "batches_yielded": self._yielded, **self._layout()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._epoch = int(state_dict.get("epoch", 0))
         self._yielded = int(state_dict.get("batches_yielded", 0))
+        self._saved_layout = {key: int(state_dict[key]) for key in self._layout() if key in state_dict}
         self._resuming = True
+
+    def _layout(self) -> dict[str, int]:
+        """How a pass's rows are dealt out: the processes sharing it (a distributed sampler's replicas) and the batch
+        size. (A corpus that changed is warned by the data module, not refused: records may be appended.)"""
+        return {"processes": int(getattr(self.sampler, "num_replicas", 1)), "batch_size": int(self.batch_size or 1)}
+
+    def _check_same_layout(self) -> None:
+        """A pass resumed part-way skips the batches it had yielded: only with the rows dealt out as before does that
+        land where the interrupted pass stopped (else rows are trained twice and others skipped)."""
+        saved, now = getattr(self, "_saved_layout", {}), self._layout()
+        changed = [key for key in saved if saved[key] != now[key]]
+        if not changed:
+            return
+        flags = {"processes": "--trainer.devices / --trainer.num_nodes", "batch_size": "--data.batch_size"}
+        what = ", ".join(f"{key} {saved[key]} -> {now[key]} ({flags[key]})" for key in changed)
+        raise ValueError(
+            f"--ckpt_path: the checkpoint was saved {self._yielded} batches into an epoch, and the rows of that epoch "
+            f"are dealt out differently now ({what}): skipping {self._yielded} batches would train some rows twice "
+            "and others never. Resume with the settings it was saved with, or from a checkpoint saved at the end of "
+            "an epoch")

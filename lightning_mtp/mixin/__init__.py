@@ -48,13 +48,14 @@ from lightning_mtp import checkpointing
 from lightning_mtp.config import MTPConfig
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.distillation import self_distillation_term
+from lightning_mtp.mixin.batches import batch_position_ids, unpack_batch
 from lightning_mtp.mixin.construction import MTPConstruction, check_block_spec
 from lightning_mtp.mixin.contract import MTPHostContract
 from lightning_mtp.mixin.divergence import MTPDivergenceGuard
 from lightning_mtp.mixin.lifecycle import MTPLifecycle
 from lightning_mtp.mixin.objective import MTPObjective
 from lightning_mtp.mixin.sharding import MTPSharding
-from lightning_mtp.mixin.steps import MTPSteps, batch_position_ids, unpack_batch
+from lightning_mtp.mixin.steps import MTPSteps
 from lightning_mtp.outputs import LossTerm, MTPForward, MTPLossOutput
 
 __all__ = ["LossTerm", "MTPForward", "MTPLossOutput", "MTPMixin", "batch_position_ids", "check_block_spec",

@@ -114,7 +114,8 @@ class MTPObjective:
                 loss_spec = DepthLossSpec(self.mtp_depth_head_weight(k), targets,
                                           scale * self.mtp_depth_weights[k - 1], cfg.ignore_index,
                                           self._mtp_chunk_size(), self.mtp_depth_head(k),
-                                          detach_head=cfg.detach_trunk and self.mtp_output_heads is None)
+                                          detach_head=cfg.detach_trunk and self.mtp_output_heads is None,
+                                          normalizer=self._mtp_normalizer(k))
             positions = None if position_ids is None else position_ids[:, :length]  # (B, L)
             depth_mask = None if mask is None else mask[:, :, :length, :length]  # (B, 1, L, L)
             out, normed = run_depth(modules[k - 1], cos[:, :length], sin[:, :length], recompute, h_in, emb_in,
@@ -216,7 +217,14 @@ class MTPObjective:
         fwd.main_hidden = self.mtp_final_norm()(hidden[:, :-1])  # (B, T-1, H)
         targets = fwd.targets(0, hidden.shape[1] - 1, self.mtp_config.ignore_index)  # (B, T-1)
         return DepthLossSpec(self.mtp_depth_head_weight(0), targets, 1.0, self.mtp_config.ignore_index,
-                             self._mtp_chunk_size(), self.mtp_depth_head(0))
+                             self._mtp_chunk_size(), self.mtp_depth_head(0), normalizer=self._mtp_normalizer(0))
+
+    def _mtp_normalizer(self, part: int) -> Optional[Tensor]:
+        """What part ``part``'s (0: the main head, k: depth k) summed cross-entropy is divided by: the optimizer
+        step's scored tokens while ``training_step`` runs (:mod:`~lightning_mtp.mixin.step_tokens`), else ``None``
+        (the batch's own)."""
+        normalizers = getattr(self, "_mtp_step_normalizers", None)
+        return None if normalizers is None else normalizers[part]
 
 
 class TrunkEmbeddings:

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_mtp import decoding
+from lightning_mtp.mixin.batches import batch_mask, batch_position_ids, unpack_batch
+from lightning_mtp.mixin.step_tokens import StepTokens
 from lightning_mtp.outputs import MTPForward, MTPLossOutput
 
 
@@ -51,10 +53,20 @@ class MTPSteps:
     _mtp_validation_record: Optional[ValidationForward] = None  # the current validation batch's, when asked for
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """The loss over the batch's scored tokens, each weighing what it weighs among every token of its optimizer
+        step (every batch its gradient accumulates, every process: :mod:`~lightning_mtp.mixin.step_tokens`); the
+        logged values are the batch's own means."""
         input_ids, labels, position_ids = self.mtp_checked_batch(batch)
-        out = self.compute_lm_loss(input_ids, labels, position_ids)
+        tokens = self.__dict__.setdefault("_mtp_step_tokens", StepTokens())
+        normalizers = tokens.normalizers(self, labels, input_ids, position_ids, batch_idx)
+        self._mtp_step_normalizers = normalizers
+        try:
+            out = self.compute_lm_loss(input_ids, labels, position_ids)
+        finally:
+            self._mtp_step_normalizers = None
         self.mtp_watch_loss(out)
-        self._log_mtp(out, "train", input_ids.shape[0])
+        batch_loss = None if normalizers is None else batch_mean_loss(out)
+        self._log_mtp(out, "train", input_ids.shape[0], batch_loss)
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -91,7 +103,7 @@ class MTPSteps:
                                  f"{tuple(value.shape)}")
         if position_ids is not None and (position_ids.is_floating_point() or position_ids.dtype == torch.bool):
             raise ValueError(f"a batch's position_ids must be integers, got {position_ids.dtype}")
-        self._check_batch_values(input_ids, labels, position_ids, _batch_mask(batch))
+        self._check_batch_values(input_ids, labels, position_ids, batch_mask(batch))
         return input_ids, labels, position_ids
 
     def _check_batch_values(self, input_ids: Tensor, labels: Optional[Tensor], position_ids: Optional[Tensor],
@@ -188,11 +200,11 @@ class MTPSteps:
             batch = batch[0]
         return decoding.predict_batch(self, batch, **getattr(self, "mtp_generate_kwargs", {}))
 
-    def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int) -> None:
+    def _log_mtp(self, out: MTPLossOutput, stage: str, batch_size: int, batch_loss: Optional[Tensor] = None) -> None:
         on_step = stage == "train"
         sync = stage != "train"
         names = [f"{stage}/loss", f"{stage}/mtp/loss"]
-        values = {names[0]: out.loss.detach(), names[1]: out.mtp_loss}
+        values = {names[0]: out.loss.detach() if batch_loss is None else batch_loss, names[1]: out.mtp_loss}
         if out.main_loss is not None:
             values[f"{stage}/main/loss"] = out.main_loss
         for k in range(1, self.mtp_active_depth + 1):
@@ -221,26 +233,9 @@ class MTPSteps:
             self.log(name, metric, on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
 
 
-def unpack_batch(batch: Any, ignore_index: int = -100) -> tuple[Tensor, Optional[Tensor]]:
-    """Token ids and labels from a (B, T) tensor, a (ids, labels) tuple, or a dict with ``input_ids`` and optional
-    ``labels`` / ``attention_mask`` (0 turns the label into ``ignore_index``). A packed dict's ``position_ids`` come
-    from :func:`batch_position_ids`."""
-    if isinstance(batch, Tensor):
-        return batch, None
-    if isinstance(batch, (list, tuple)):
-        return batch[0], (batch[1] if len(batch) > 1 else None)
-    input_ids = batch["input_ids"]
-    labels = batch.get("labels")
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        labels = (input_ids if labels is None else labels).masked_fill(mask == 0, ignore_index)
-    return input_ids, labels
-
-
-def batch_position_ids(batch: Any) -> Optional[Tensor]:
-    """(B, T) ``position_ids`` of a packed dict batch (positions restarting at 0 at each document), else ``None``."""
-    return batch.get("position_ids") if isinstance(batch, dict) else None
-
-
-def _batch_mask(batch: Any) -> Optional[Tensor]:
-    return batch.get("attention_mask") if isinstance(batch, dict) else None
+def batch_mean_loss(out: MTPLossOutput) -> Tensor:
+    """The batch's total loss over its own scored tokens (what ``out.loss`` is unless it was divided by an optimizer
+    step's tokens): Σ_p weight_p · mean_p, plus the registered terms."""
+    losses = out.losses
+    weights = torch.as_tensor(losses.weights, dtype=losses.per_depth.dtype, device=losses.per_depth.device)
+    return (weights * losses.per_depth).sum() + sum(out.extra_terms.values(), torch.zeros(()).to(weights))
