@@ -309,3 +309,34 @@ def test_sigterm_stops_predict_after_the_batch_keeping_the_previous_outputs(tiny
     assert "SIGTERM: predict stopped" in stderr
     assert sorted(p.name for p in out.iterdir()) == ["generations.jsonl", "stats.json"]  # no partial file left
     assert all((out / name).read_text() == "previous run\n" for name in ("generations.jsonl", "stats.json"))
+
+
+class ValidationLog(Callback):
+    """The step and ``val/loss`` of every validation of a fit (not the sanity check)."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float]] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.runs.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+
+
+@pytest.mark.parametrize("during, stop_at, interval", [("train", 4, 4), ("val", 4, 4), ("train", 2, 2)])
+def test_the_validation_a_signal_skips_runs_first_when_the_fit_resumes(tmp_path, uninterrupted, during, stop_at,
+                                                                         interval):
+    """A stop on a step due for validation (after its batch, or during the validation) saves at once, and the
+    resumed fit validates that step before training on: the same validations, at the same steps, with the same
+    losses as the uninterrupted fit (Lightning's restored loops counted that step as validated and never ran it).
+    Step 2 of 2 validates mid-epoch, step 4 at an epoch's end."""
+    cache = uninterrupted[0]
+    reference = ValidationLog()
+    fit(tmp_path / "reference", cache, extra=[reference], val_check_interval=interval)
+    first, resumed = ValidationLog(), ValidationLog()
+    with pytest.raises(SystemExit):
+        fit(tmp_path, cache, extra=[SendSignal(stop_at, signal.SIGTERM, during), first], val_check_interval=interval)
+    fit(tmp_path, cache, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), extra=[resumed], val_check_interval=interval)
+    assert [step for step, _ in first.runs] == [s for s, _ in reference.runs if s < stop_at]
+    assert [step for step, _ in first.runs + resumed.runs] == [step for step, _ in reference.runs]
+    assert [loss for _, loss in first.runs + resumed.runs] == pytest.approx([loss for _, loss in reference.runs],
+                                                                            abs=1e-6)

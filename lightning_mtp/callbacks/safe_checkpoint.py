@@ -10,8 +10,9 @@ What it adds to Lightning's ``ModelCheckpoint`` (whose arguments it takes, for t
   only that);
 - on SIGTERM (a scheduler's preemption, ``kill``, ``docker stop``) or SIGINT (Ctrl-C) the fit finishes its current
   batch, saves ``last.ckpt`` and stops with exit status 128 + the signal's number (143, 130); ``--ckpt_path
-  last.ckpt`` then resumes it exactly. The signal may reach one rank or all of them: the ranks agree on it after every
-  batch, so all stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
+  last.ckpt`` then resumes it exactly (a validation due at that step, or under way, is not waited for: the resumed
+  fit runs it first). The signal may reach one rank or all of them: the ranks agree on it after every batch, so all
+  stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
 - one fit per folder: a lock (:mod:`~lightning_mtp.callbacks.folder_lock`) refuses a second fit into the same folder,
   naming the process that writes there;
 - a fit that diverged (:class:`~lightning_mtp.finite.TrainingDiverged`) saves nothing: the last good checkpoint stays.
@@ -87,6 +88,8 @@ class SafeCheckpoint(ModelCheckpoint):
         self._signal: Optional[int] = None  # the signal this process received (SIGINT or SIGTERM), or None
         self._stop_signal: Optional[int] = None  # the one all ranks agreed to stop for
         self._previous_sigint: Any = None
+        self._validation_skipped = False  # the stop skipped a validation (due at its step, or under way): saved
+        self._validate_first = False  # restored from a checkpoint whose stop skipped one: run it before training
 
     # ----------------------------------------------------------------- one fit per folder
     def lock_folder(self) -> None:
@@ -133,6 +136,21 @@ class SafeCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_save_time = time.monotonic()
         self._install_signal_handlers()  # already done when a sanity check ran
+        if self._validate_first:
+            # The stop saved at once (a scheduler's grace period may not last a validation) and skipped the
+            # validation due at its step; Lightning's restored loops would not run it (they count a checkpoint of that
+            # step as validated): run it now, at the step it belongs to, as the uninterrupted fit did.
+            self._validate_first = False
+            _run_validation(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "validation_skipped": self._validation_skipped}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._validate_first = bool(state_dict.get("validation_skipped", False))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -148,6 +166,7 @@ class SafeCheckpoint(ModelCheckpoint):
         due = self._agree(trainer, due)  # every rank must stop, and take part in a save, at the same batch
         if self._stop_signal:
             _log_this_step(trainer)  # stopping here skips the loop's logging of the step that was trained and saved
+            self._validation_skipped = _validation_due(trainer)
             raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
         if due and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -158,7 +177,8 @@ class SafeCheckpoint(ModelCheckpoint):
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
         self._agree(trainer, False)
         if self._stop_signal:
-            raise SIGTERMException  # a validation interrupted here is finished when the fit resumes
+            self._validation_skipped = not trainer.sanity_checking
+            raise SIGTERMException  # the resumed fit runs this validation first (on_train_start)
 
     def _agree(self, trainer: L.Trainer, due: bool) -> bool:
         """One collective that every rank reaches after the same batch (and no other anywhere for a signal): returns
@@ -305,6 +325,32 @@ def _recover_interrupted_swaps(folder: Path) -> None:
             restore_interrupted_swap(str(folder / entry.name[1 : -len(".previous")]))
         elif entry.name.startswith(".") and entry.name.endswith(".partial"):
             _remove(str(entry))
+
+
+def _validation_due(trainer: L.Trainer) -> bool:
+    """Whether the training loop validates after the batch that just ended (Lightning's own test of it)."""
+    loop = trainer.fit_loop.epoch_loop
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    try:
+        return fetcher is not None and bool(loop._should_check_val_fx(fetcher))
+    except Exception:  # noqa: BLE001 - another Lightning's loop: no validation is run again on resume
+        return False
+
+
+def _run_validation(trainer: L.Trainer) -> None:
+    """Run the fit's validation loop from scratch now, as the training loop does after a batch (Lightning's loop
+    internals, as its ``on_advance_end`` sets them: checked by tests/test_safe_checkpoint.py)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop.restarting = False
+    val_loop.batch_progress.reset_on_run()
+    trainer.validating = True
+    first_loop_iter = trainer._logger_connector._first_loop_iter
+    val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first_loop_iter
+    # the restored training loop still restarts: it must take its first iteration (which clears that) and not count
+    # this run as the validation of its restart, or it ends every epoch at once without clearing it
+    val_loop._has_run = False
 
 
 def _log_this_step(trainer: L.Trainer) -> None:
