@@ -488,3 +488,15 @@ def test_tree_verification_on_the_transformers_cache_is_lossless(models, model_t
     assert our_tokens(out) == hf_generate(model, ids, mask, new=20, eos=EOS)
     if "draft_tree" in options:
         assert out.stats.tau > 1.05  # wide trees get drafts accepted even from untrained heads
+
+
+def test_a_misspelt_config_key_is_refused_naming_the_key_it_resembles():
+    """``AutoConfig.for_model`` keeps an unknown key aside and builds the default: ``num_hiden_layers: 1`` trained
+    the default depth, silently. Keys transformers converts (``attn_implementation``, ``rope_scaling``) pass."""
+    with pytest.raises(ValueError, match=r"^HFCausalLM.config \(--model.init_args.config\): LlamaConfig has no "
+                                         r"'num_hiden_layers' \(did you mean 'num_hidden_layers'\?\)"):
+        HFCausalLM("llama", {**CONFIGS["llama"], "num_hiden_layers": 1})
+    model = HFCausalLM("llama", {**CONFIGS["llama"], "attn_implementation": "eager",
+                                 "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    model.configure_model()
+    assert model.trunk.config.num_hidden_layers == CONFIGS["llama"]["num_hidden_layers"]

@@ -125,7 +125,45 @@ def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: O
     if model_type is None:
         raise ValueError("HFCausalLM needs model_type (--model.init_args.model_type, e.g. llama) with config, "
                          "or pretrained (--model.init_args.pretrained, a local directory)")
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), **extra)
+    built = AutoConfig.for_model(model_type, **config)
+    refuse_unknown_config_keys(built, config)
+    return AutoModelForCausalLM.from_config(built, **extra)
+
+
+def refuse_unknown_config_keys(built: Any, config: dict) -> None:
+    """Raise naming a key of ``config`` that is a misspelling of a field of the ``transformers`` config ``built`` from
+    it: ``transformers`` keeps an unknown key aside as an attribute and builds the default, so ``num_hiden_layers: 1``
+    trained 6 layers, silently. An unknown key that resembles no field is taken: model code reads some by name
+    (``head_dim`` on GLM-4.5, ``num_nextn_predict_layers``), and keys that ``transformers`` converts
+    (``attn_implementation``, ``rope_scaling``) leave no attribute."""
+    import dataclasses
+
+    declared = ({f.name for f in dataclasses.fields(built)} if dataclasses.is_dataclass(built)
+                else set(type(built)().to_dict()))
+    declared |= set(getattr(built, "attribute_map", {}) or {})
+    for key in sorted(key for key in config if key in vars(built) and key not in declared):
+        close = [name for name in sorted(declared) if _one_edit_apart(key, name)]
+        if close:
+            raise ValueError(f"HFCausalLM.config (--model.init_args.config): {type(built).__name__} has no {key!r} "
+                             f"(did you mean {close[0]!r}?); transformers would keep it aside and build the default "
+                             f"{close[0]} = {getattr(built, close[0], None)!r}")
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``b`` is ``a`` with one character inserted, deleted, replaced, or two neighbours swapped.
+
+    Example::
+
+        >>> _one_edit_apart("num_hiden_layers", "num_hidden_layers"), _one_edit_apart("head_dim", "v_head_dim")
+        (True, False)
+    """
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    start = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if len(a) == len(b):
+        swapped = a[start + 1:start + 2] + a[start:start + 1] + a[start + 2:] == b[start:]
+        return a[start + 1:] == b[start + 1:] or swapped
+    return a[start + 1:] == b[start:] if len(a) > len(b) else a[start:] == b[start + 1:]
 
 
 def check_trunk(model: nn.Module) -> None:
