@@ -46,7 +46,7 @@ from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.callbacks.safe_checkpoint import restore_interrupted_swap
 from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args, with_checkpoint_config
-from lightning_mtp.cli_errors import ShortErrorParser, fail, user_error
+from lightning_mtp.cli_errors import ShortErrorParser, fail, peer_failed, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help
 from lightning_mtp.finite import TrainingDiverged, check_finite_state_dict
 
@@ -234,8 +234,13 @@ class MTPLightningCLI(LightningCLI):
             self.model.mtp_generate_kwargs = GenerationConfig(**values).to_kwargs()
 
     def before_fit(self) -> None:
-        """Take the checkpoint folders' locks before the fit starts (and before its config or logs are written):
-        a second fit into the same folder is refused (:class:`~lightning_mtp.callbacks.SafeCheckpoint`)."""
+        """Check the trainer's settings Lightning leaves unchecked, and take the checkpoint folders' locks before the
+        fit starts (and before its config or logs are written): a second fit into the same folder is refused
+        (:class:`~lightning_mtp.callbacks.SafeCheckpoint`)."""
+        interval = self.trainer.val_check_interval
+        if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+            raise ValueError(f"--trainer.val_check_interval must be > 0 (a number of batches, or a share of an epoch "
+                             f"in (0, 1]), got {interval!r}")
         if rank_zero_only.rank != 0:
             return
         for callback in self.trainer.callbacks:
@@ -295,7 +300,12 @@ def main(args: Optional[list[str]] = None) -> None:
         fail(str(error), status=1)
     except Exception as error:
         message = user_error(error)
-        if message is None or os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+        if os.environ.get("LIGHTNING_MTP_TRACEBACK"):
+            raise
+        if message is None and peer_failed(error):
+            fail(f"process {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '?'))} stopped: another process of "
+                 "this run failed (its error is printed above or below)", status=1)
+        if message is None:
             raise
         fail(message)
     finally:

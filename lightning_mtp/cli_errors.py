@@ -84,8 +84,12 @@ def fail(message: str, status: int = 2) -> NoReturn:
 
 
 def user_error(error: BaseException) -> Optional[str]:
-    """The message of a check of lightning-mtp's own, found anywhere in the chain of ``error`` (jsonargparse and
-    Lightning wrap them); ``None`` for anything else, so that bugs keep their tracebacks."""
+    """The message of a check of lightning-mtp's own, or of Lightning's own check of the trainer's settings
+    (``MisconfigurationException``: ``--trainer.max_steps -5``, a GPU accelerator on a machine without one), found
+    anywhere in the chain of ``error`` (jsonargparse and Lightning wrap them); ``None`` for anything else, so that
+    bugs keep their tracebacks."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     seen: set[int] = set()
     stack: list[Any] = [error]
     while stack:
@@ -95,8 +99,29 @@ def user_error(error: BaseException) -> Optional[str]:
         seen.add(id(current))
         if isinstance(current, (ValueError, TypeError)) and _raised_by_us(current):
             return str(current)
+        if isinstance(current, MisconfigurationException) or (
+                isinstance(current, ValueError) and _raised_in(current, "trainer/connectors")):
+            message = " ".join(str(current).split())
+            if "strategy `fsdp`" in message:
+                message += " (FSDP with lightning-mtp is FSDP2: --config fsdp, which runs on CPU processes too)"
+            return f"--trainer: {message}"
         stack.extend([current.__cause__, current.__context__])
     return None
+
+
+def peer_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another process of the run stopped (gloo's "Connection
+    closed by peer", NCCL's remote error): that process prints why; this one need not add a traceback."""
+    text = f"{type(error).__name__}: {error}"
+    pattern = r"Connection closed by peer|Connection reset by peer|remote (worker|process)|DistBackendError"
+    return isinstance(error, RuntimeError) and re.search(pattern, text) is not None
+
+
+def _raised_in(error: BaseException, part: str) -> bool:
+    """Whether ``error`` was raised in Lightning's ``part`` (e.g. its trainer's connectors, which check the
+    trainer's settings)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"lightning/pytorch/{part}" in Path(frames[-1].filename).as_posix()
 
 
 def _raised_by_us(error: BaseException) -> bool:

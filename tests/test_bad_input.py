@@ -10,6 +10,7 @@ cases have tests of their own: ``test_data_input_errors.py`` (prompts files and 
 from __future__ import annotations
 
 import os
+import re
 
 import lightning as L
 import pytest
@@ -457,3 +458,39 @@ def test_the_top_level_help_lists_export(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "lightning-mtp export --ckpt_path" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--trainer.max_steps", "-5"], r"--trainer: `max_steps` must be a non-negative integer"),
+    (["--trainer.devices", "0"], r"--trainer: `Trainer\(devices='0'\)` value is not a valid input"),
+    (["--trainer.strategy", "fsdp"], r"--trainer: The strategy `fsdp` requires a GPU.*FSDP2: --config fsdp"),
+    (["--trainer.val_check_interval", "0"], r"--trainer.val_check_interval must be > 0"),
+])
+def test_trainer_settings_lightning_refuses_end_in_one_line_before_training(tmp_path, capsys, flags, message):
+    """Lightning's own checks of the trainer (and one it leaves to a division by zero inside the training loop) end
+    with one line and exit status 2, not a 30-line traceback."""
+    err = cli_refusal(tiny_fit_args(tmp_path, *flags), capsys)
+    assert re.search(message, err), err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_process_whose_peer_failed_says_so_in_one_line(monkeypatch, capsys):
+    """Rank 0 refuses bad data in ``prepare_data`` while rank 1 waits at a barrier: rank 1's gloo error ("Connection
+    closed by peer") is said in one line pointing at the other process's error, not a 30-line traceback."""
+    import lightning_mtp.cli as cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    monkeypatch.setattr(cli, "MTPLightningCLI", broken)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["fit"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "Traceback" not in err
+    assert err.strip() == ("lightning-mtp: error: process 1 stopped: another process of this run failed (its error "
+                           "is printed above or below)")
+    monkeypatch.setattr(cli, "MTPLightningCLI", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        cli.main(["fit"])
