@@ -500,3 +500,16 @@ def test_a_misspelt_config_key_is_refused_naming_the_key_it_resembles():
                                  "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     model.configure_model()
     assert model.trunk.config.num_hidden_layers == CONFIGS["llama"]["num_hidden_layers"]
+
+
+def test_the_context_refusal_of_a_model_folder_names_its_config_not_a_flag_that_is_refused(tmp_path):
+    """``--model.init_args.config.*`` is refused beside ``pretrained``: the context a folder's model has is its
+    config.json's, and the advice is to lower --data.seq_len."""
+    from model_folders import model_folder
+
+    folder = model_folder(tmp_path / "model")
+    model = HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=1))
+    flag = model.mtp_context_flag()
+    assert "config.json" in flag and "--model.init_args.config" not in flag
+    built = HFCausalLM("llama", CONFIGS["llama"])
+    assert "--model.init_args.config.max_position_embeddings" in built.mtp_context_flag()

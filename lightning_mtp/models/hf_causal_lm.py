@@ -294,6 +294,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         return self.max_positions
 
     def mtp_context_flag(self) -> str:
+        if self.pretrained is not None:  # the folder's own context: not a flag (config is refused with pretrained)
+            return f"max_position_embeddings in {self.pretrained}/config.json, fixed by its training"
         return "the transformers config's max_position_embeddings, --model.init_args.config.max_position_embeddings"
 
     def mtp_vocab_flag(self) -> str:
