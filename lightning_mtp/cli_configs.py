@@ -41,12 +41,17 @@ def bundled_configs() -> dict[str, Traversable]:
 
 def resolve_config(value: str) -> str:
     """A ``--config`` value as the parser should read it: an existing file (or YAML text) as given, a bare name
-    (``quickstart`` or ``quickstart.yaml``) as the bundled config's path.
+    (``quickstart`` or ``quickstart.yaml``) as the bundled config's path; so is ``configs/quickstart.yaml``, as the
+    docs write it from the repository's root, when no such file is here.
 
     Raises:
         ValueError: for a bare name that is neither a file nor a bundled config, naming the bundled ones.
     """
-    if Path(value).is_file() or not re.fullmatch(r"[\w-]+(\.yaml)?", value):
+    if Path(value).is_file():
+        return value
+    if re.fullmatch(r"configs/[\w-]+\.yaml", value):  # the docs' spelling, run from another folder
+        value = value[len("configs/"):]
+    if not re.fullmatch(r"[\w-]+(\.yaml)?", value):
         return value
     bundled = bundled_configs()
     found = bundled.get(value[: -len(".yaml")] if value.endswith(".yaml") else value)

@@ -91,8 +91,9 @@ def test_bundled_configs_are_the_repository_configs():
     assert {name: Path(str(path)) for name, path in bundled_configs().items()} == {p.stem: p for p in CONFIGS}
 
 
-@pytest.mark.parametrize("args", [["fit", "--config", "quickstart"], ["predict", "--config=predict.yaml"]],
-                         ids=["bare-name", "equals-and-suffix"])
+@pytest.mark.parametrize("args", [["fit", "--config", "quickstart"], ["predict", "--config=predict.yaml"],
+                                  ["fit", "--config", "configs/quickstart.yaml"]],
+                         ids=["bare-name", "equals-and-suffix", "the-docs-path-from-another-folder"])
 def test_bare_config_name_resolves_to_the_bundled_config(args, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no configs/ here: the name must come from the package
     printed = _printed([*args, "--print_config"], capsys)
