@@ -104,8 +104,8 @@ class SafeCheckpoint(ModelCheckpoint):
         if holder is None:
             return None
         return (f"another fit is writing checkpoints to {self.dirpath}: {holder}. Wait for it to end, or give this fit "
-                "another folder (--trainer.callbacks.init_args.dirpath, and the logger's --trainer.logger.init_args."
-                "save_dir)")
+                "another folder: SafeCheckpoint's dirpath in the config (--trainer.callbacks.init_args.dirpath sets "
+                "the last callback's of the config's list), and the logger's --trainer.logger.init_args.save_dir")
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
