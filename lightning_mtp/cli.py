@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -109,6 +110,8 @@ class MTPLightningCLI(LightningCLI):
         current = ckpt_rules.flatten(section.as_dict())
         given = ckpt_rules.given_keys(self._raw_args, ckpt_rules.config_files(self._raw_args))
         ckpt_path = section.get("ckpt_path")
+        if ckpt_path == "last":  # Lightning's word for the checkpoint callback's last.ckpt
+            ckpt_path = section["ckpt_path"] = last_checkpoint(section)
         init_from = current.get("model.init_from")
         self._tokenizer_record: Optional[dict] = None
         if ckpt_path:
@@ -246,6 +249,21 @@ class MTPLightningCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, SafeCheckpoint):
                 callback.lock_folder()
+
+
+def last_checkpoint(section: Any) -> str:
+    """``--ckpt_path last``: ``last.ckpt`` in the folder of the config's checkpoint callback (``SafeCheckpoint``)."""
+    callbacks = section.get("trainer", {}).get("callbacks") or []
+    folders = [str(c.get("init_args", {}).get("dirpath")) for c in (callbacks if isinstance(callbacks, list)
+               else [callbacks]) if hasattr(c, "get") and str(c.get("class_path", "")).endswith("Checkpoint")
+               and c.get("init_args", {}).get("dirpath")]
+    if not folders:
+        raise ValueError("--ckpt_path last: the config has no checkpoint callback with a dirpath to find last.ckpt "
+                         "in; give the checkpoint's path")
+    path = Path(folders[0]) / "last.ckpt"
+    if not (path.exists() or restore_interrupted_swap(str(path))):
+        raise ValueError(f"--ckpt_path last: there is no {path} yet (nothing to resume: start without --ckpt_path)")
+    return str(path)
 
 
 # --------------------------------------------------------------------- bundled configs

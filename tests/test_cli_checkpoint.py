@@ -189,3 +189,18 @@ def test_two_paths_to_the_same_folder_are_the_same_setting(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert same("model", str(tmp_path / "model")) and same("./model/", str(tmp_path / "model"))
     assert not same("model", str(tmp_path)) and not same("bpe", "byte")
+
+
+def test_ckpt_path_last_resumes_the_checkpoint_callbacks_last_file(tmp_path):
+    """``--ckpt_path last`` (Lightning's word) is the config's checkpoint folder's last.ckpt; before there is one, it
+    is refused saying there is nothing to resume."""
+    from conftest import tiny_fit_args
+
+    from lightning_mtp.cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(tiny_fit_args(tmp_path, "--ckpt_path", "last"))
+    assert refused.value.code == 2
+    main(tiny_fit_args(tmp_path))
+    main(tiny_fit_args(tmp_path, "--trainer.max_steps", "5", "--ckpt_path", "last"))
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 5
