@@ -494,3 +494,13 @@ def test_a_process_whose_peer_failed_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "MTPLightningCLI", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         cli.main(["fit"])
+
+
+def test_labels_masked_with_minus_100_and_another_ignore_index_name_the_setting():
+    """The data masks with -100; an ``ignore_index`` of 5 made that read as labels outside the vocabulary, blamed on
+    the tokenizer."""
+    model = tiny_model(depth=2, ignore_index=5)
+    labels = torch.randint(0, 61, (2, 8))
+    labels[:, :3] = -100
+    with pytest.raises(ValueError, match=r"labels hold -100 .*--model.init_args.mtp.ignore_index\) is 5: set it"):
+        model.training_step({"input_ids": torch.randint(0, 61, (2, 8)), "labels": labels}, 0)

@@ -130,6 +130,10 @@ class MTPSteps:
         if low < 0 or high >= vocab or label_low < 0 or label_high >= vocab:
             what = "input_ids" if low < 0 or high >= vocab else f"labels (other than ignore_index {ignore})"
             span = (low, high) if what == "input_ids" else (label_low, label_high)
+            if what != "input_ids" and label_low == -100 and ignore != -100:
+                raise ValueError(f"a batch's labels hold -100 (the mask of tokens not trained, as the data module and "
+                                 f"transformers write it), but MTPConfig.ignore_index (--model.init_args.mtp."
+                                 f"ignore_index) is {ignore}: set it to -100")
             raise ValueError(f"a batch's {what} range over [{span[0]}, {span[1]}], outside the model's vocabulary "
                              f"[0, {vocab}): the data's tokenizer does not fit the model (--data.tokenizer, "
                              "--data.vocab_size and the model's vocabulary size must agree)")
