@@ -31,6 +31,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.parsing import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.atomic import atomic_write
@@ -158,10 +159,11 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray
 class TextDataModule(L.LightningDataModule):
     """A text corpus as windows of ``seq_len`` token ids: ``{"input_ids": LongTensor[B, seq_len]}`` batches.
 
-    For ``predict``, ``setup("predict")`` reads and tokenizes the prompts (``predict_dataset``); the LightningModule
-    can then refuse a prompt that leaves no room to generate with ``check_prompts_fit(max_prompt_tokens, why)``
-    from its own ``setup`` hook (Lightning runs the datamodule's ``setup`` first). Tokenizing the corpus warns when
-    many of its bytes are not UTF-8 (``corpus.UNDECODABLE_WARN_SHARE``).
+    For ``predict``, ``setup("predict")`` reads and tokenizes the prompts (``predict_dataset``; from a prompts file,
+    without reading the corpus); the LightningModule can then refuse a prompt that leaves no room to generate with
+    ``check_prompts_fit(max_prompt_tokens, why)`` from its own ``setup`` hook (Lightning runs the datamodule's
+    ``setup`` first). Tokenizing the corpus warns when many of its bytes are not UTF-8
+    (``corpus.UNDECODABLE_WARN_SHARE``).
 
     Args:
         corpus: ``None`` uses the Python standard library's sources; else a file, folder or glob. ``.jsonl``,
@@ -367,6 +369,37 @@ class TextDataModule(L.LightningDataModule):
                 "datamodule": f"{type(self).__module__}.{type(self).__qualname__}"}
 
     @property
+    def hparams_initial(self) -> AttributeDict:
+        """The init arguments as the loggers receive them. Lightning merges them with the LightningModule's and refuses
+        a name both have with other values; a module may well have its own (``vocab_size``: its embedding rows, which
+        may differ from the tokenizer's, which ``"byte"`` ignores anyway), so such a setting is logged as
+        ``data/<name>`` here. ``hparams`` (what a checkpoint saves, ``datamodule_hyper_parameters``) keeps every name.
+
+        Example::
+
+            >>> import lightning as L
+            >>> class Module(L.LightningModule):
+            ...     def __init__(self, vocab_size=300):
+            ...         super().__init__()
+            ...         self.save_hyperparameters()
+            >>> dm = TextDataModule(tokenizer="byte")
+            >>> trainer = L.Trainer(logger=False)
+            >>> trainer.strategy.connect(Module())
+            >>> dm.trainer = trainer
+            >>> dm.hparams_initial["data/vocab_size"], "vocab_size" in dm.hparams_initial, dm.hparams["vocab_size"]
+            (4096, False, 4096)
+        """
+        initial = super().hparams_initial
+        trainer = getattr(self, "trainer", None)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        theirs = getattr(module, "hparams_initial", None) or {}
+        for key in [key for key in initial if key in theirs and key != "_class_path"]:
+            mine, other = initial[key], theirs[key]
+            if type(mine) is not type(other) or isinstance(mine, torch.Tensor) or mine != other:
+                initial[f"data/{key}"] = initial.pop(key)
+        return initial
+
+    @property
     def vocab_size(self) -> int:
         """The tokenizer's actual vocabulary size incl. special tokens (258 for ``"byte"``; BPE may come out below
         ``--data.vocab_size`` on a tiny corpus)."""
@@ -410,12 +443,20 @@ class TextDataModule(L.LightningDataModule):
         """Find and split the corpus, train/load the tokenizer, tokenize both splits and cache the ids on disk.
 
         Does nothing beyond hashing file metadata when the cache is already there. Lightning calls it on one process
-        per node; ``setup`` calls it too when it has not run in this process.
+        per node (for every stage); ``setup`` calls it too when it has not run in this process. Nothing to do when the
+        trainer predicts from a prompts file (``--data.predict_prompts``): the corpus is not needed.
         """
+        if self._predicting_from_file():
+            return
         if self.records is not None:
             self.records.build(self.load_tokenizer(), self.num_proc)
             return
         self._token_dir = self._prepare()
+
+    def _predicting_from_file(self) -> bool:
+        """Whether the trainer runs ``predict`` with prompts from a file (which needs the tokenizer, not the corpus)."""
+        stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)  # TrainerFn: a str
+        return self.predict_prompts is not None and stage == "predict"
 
     def _prepare(self) -> Path:
         out = self.token_cache_dir()
@@ -446,11 +487,12 @@ class TextDataModule(L.LightningDataModule):
         return out
 
     def setup(self, stage: Optional[str] = None) -> None:
-        """Load the cached ids (preparing them first if needed) and build the window datasets; for ``"predict"`` also
-        read and tokenize the prompts (``predict_dataset``; a prompts file is read first, so its errors come before
-        the corpus is tokenized)."""
+        """Load the cached ids (preparing them first if needed) and build the window datasets; for ``"predict"`` read
+        and tokenize the prompts (``predict_dataset``). With a prompts file, ``"predict"`` reads the prompts alone:
+        the corpus is neither read nor tokenized (the prompts need only the tokenizer)."""
         if stage == "predict" and self.predict_prompts is not None:
             self.prompt_dataset()
+            return
         self._setup_windows()
         if stage == "predict":
             self.prompt_dataset()
