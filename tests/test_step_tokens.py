@@ -109,7 +109,9 @@ def test_two_processes_accumulating_weigh_each_scored_token_of_the_step_alike(tm
         ids[i, : len(row)] = torch.tensor(row)
         labels[i, : len(row)] = torch.tensor(row)
     model.compute_lm_loss(ids, labels).loss.backward()
+    assert not ranks[0]["fell_back"] and not ranks[1]["fell_back"]  # the loader held the windows on both ranks
     for name, param in model.named_parameters():
         if param.grad is not None:
-            torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
-            torch.testing.assert_close(ranks[1]["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+            for rank in ranks:  # to float32 rounding, relative to the gradient's scale (DDP sums in another order)
+                error = float((rank["grads"][name] - param.grad).abs().max() / param.grad.abs().max())
+                assert error < 1e-4, (name, error)

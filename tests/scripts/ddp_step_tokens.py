@@ -45,7 +45,9 @@ def main(corpus: str, out_dir: Path) -> None:
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe],
                         default_root_dir=str(out_dir))
     trainer.fit(build_model(), data)
-    torch.save({"rows": probe.rows, "grads": probe.grads}, out_dir / f"rank{trainer.global_rank}.pt")
+    fell_back = trainer.lightning_module._mtp_step_tokens.warned  # per-batch means: the loader held no window
+    torch.save({"rows": probe.rows, "grads": probe.grads, "fell_back": fell_back},
+               out_dir / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
