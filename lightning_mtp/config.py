@@ -13,8 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from lightning_mtp.finite import is_finite_number
 
@@ -137,3 +139,26 @@ class MTPConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def settings_from(cls: type, value: Any, flag: str) -> Any:
+    """``value`` as a ``cls`` dataclass: a dict (what a config file or a ``--model.init_args.<name>.<field>`` flag
+    gives) is checked for fields ``cls`` does not have, refused naming the flag (Python's own error names neither the
+    flag nor the fields), then passed as keyword arguments; anything else is returned as it is.
+
+    Example::
+
+        >>> settings_from(MTPConfig, {"dept": 3}, "--model.init_args.mtp")
+        Traceback (most recent call last):
+        ...
+        ValueError: --model.init_args.mtp.dept: MTPConfig has no field 'dept' (did you mean 'depth'?)
+    """
+    if not isinstance(value, dict):
+        return value
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = [key for key in value if key not in fields]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; its fields: {', '.join(fields)}"
+        raise ValueError(f"{flag}.{unknown[0]}: {cls.__name__} has no field {unknown[0]!r}{hint}")
+    return cls(**value)

@@ -504,3 +504,14 @@ def test_labels_masked_with_minus_100_and_another_ignore_index_name_the_setting(
     labels[:, :3] = -100
     with pytest.raises(ValueError, match=r"labels hold -100 .*--model.init_args.mtp.ignore_index\) is 5: set it"):
         model.training_step({"input_ids": torch.randint(0, 61, (2, 8)), "labels": labels}, 0)
+
+
+def test_an_unknown_field_of_a_settings_dict_names_the_flag_and_the_field_it_resembles():
+    """``HFCausalLM(mtp={...})`` (a config file's or a flag's dict): Python's TypeError named neither."""
+    from lightning_mtp.models import HFCausalLM
+
+    with pytest.raises(ValueError, match=r"^--model.init_args.mtp.dept: MTPConfig has no field 'dept' \(did you mean "
+                                         r"'depth'\?\)"):
+        HFCausalLM("llama", {"hidden_size": 32, "num_hidden_layers": 1}, mtp={"dept": 3})
+    with pytest.raises(ValueError, match=r"^--model.init_args.generation.temprature: GenerationConfig has no field"):
+        tiny_model(depth=1).__class__(generation={"temprature": 0.5})

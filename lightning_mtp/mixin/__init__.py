@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mtp import checkpointing
-from lightning_mtp.config import MTPConfig
+from lightning_mtp.config import MTPConfig, settings_from
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.distillation import self_distillation_term
 from lightning_mtp.mixin.batches import batch_position_ids, unpack_batch
@@ -79,10 +79,8 @@ class MTPMixin(MTPSteps, MTPLifecycle, MTPDivergenceGuard, MTPObjective, MTPShar
         that takes a ``generation`` argument and passes it here gets ``--model.init_args.generation.*`` in
         ``lightning-mtp predict`` (the CLI also applies those settings to a module without one)."""
         super().__init__(*args, **kwargs)
-        if isinstance(mtp, dict):
-            mtp = MTPConfig(**mtp)
-        if isinstance(generation, dict):
-            generation = GenerationConfig(**generation)
+        mtp = settings_from(MTPConfig, mtp, "--model.init_args.mtp")
+        generation = settings_from(GenerationConfig, generation, "--model.init_args.generation")
         self.generation_config: GenerationConfig = generation or GenerationConfig()
         self.mtp_generate_kwargs: dict = self.generation_config.to_kwargs()
         self.mtp_config: MTPConfig = mtp if mtp is not None else MTPConfig()

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp import checkpointing
-from lightning_mtp.config import MTPConfig
+from lightning_mtp.config import MTPConfig, settings_from
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.decoding.tree import MAX_DRAFT_DEPTH
 from lightning_mtp.finite import is_finite_number
@@ -116,7 +116,7 @@ class CausalLM(MTPMixin, L.LightningModule):
         init_from: Optional[str] = None,
         generation: Optional[GenerationConfig] = None,
     ) -> None:
-        model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
+        model = settings_from(ModelConfig, model, "--model.init_args.model") or ModelConfig()
         super().__init__(mtp=mtp)
         check_optimizer_args(learning_rate, weight_decay, warmup_steps)
         self.model_config = model
@@ -125,7 +125,7 @@ class CausalLM(MTPMixin, L.LightningModule):
             raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
         self.init_from = init_from
         check_block_spec(self.mtp_block_spec(), type(self).__name__)
-        generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
+        generation = settings_from(GenerationConfig, generation, "--model.init_args.generation")
         self.generation_config = generation or GenerationConfig()
         self.mtp_generate_kwargs = self.generation_config.to_kwargs()
         # Plain types only, so checkpoints load with torch.load(weights_only=True).

@@ -57,7 +57,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_mtp import checkpointing
-from lightning_mtp.config import MTPConfig
+from lightning_mtp.config import MTPConfig, settings_from
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.fsdp import transformers_decoder_layers
 from lightning_mtp.layers import mlp_hidden_size
@@ -125,7 +125,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         generation: Union[GenerationConfig, dict, None] = None,
         trunk: Optional[nn.Module] = None,
     ) -> None:
-        mtp = MTPConfig(**mtp) if isinstance(mtp, dict) else (mtp or MTPConfig())
+        mtp = settings_from(MTPConfig, mtp, "--model.init_args.mtp") or MTPConfig()
         if freeze_trunk and not mtp.detach_trunk:
             mtp = dataclasses.replace(mtp, detach_trunk=True)  # a frozen trunk must not receive the MTP gradient
         check_optimizer_args(learning_rate, weight_decay, warmup_steps)
@@ -149,7 +149,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
         self.init_from = init_from
         self.learning_rate, self.weight_decay, self.warmup_steps = learning_rate, weight_decay, warmup_steps
-        generation = GenerationConfig(**generation) if isinstance(generation, dict) else generation
+        generation = settings_from(GenerationConfig, generation, "--model.init_args.generation")
         self.generation_config = generation or GenerationConfig()
         self.mtp_generate_kwargs = self.generation_config.to_kwargs()
         if freeze_trunk:
