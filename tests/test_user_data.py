@@ -506,3 +506,21 @@ def test_a_validation_split_of_empty_records_is_refused(tok_dir, tmp_path):
     with pytest.raises(ValueError, match=r"no validation record has a token to train on \(its 1 record\(s\) are empty.*"
                                          r"raise --data.val_fraction"):
         dm.setup("fit")
+
+
+def test_a_template_whose_end_of_turn_is_outside_its_generation_marks_is_warned(tmp_path):
+    """ChatML marking only the content: ``<|im_end|>`` gets no loss, so the model never learns to end an answer,
+    while predict stops there; the ChatML test template marks it, and is not warned."""
+    outside = CHAT_TEMPLATE.replace("{{ message['content'] }}<|im_end|>{% endgeneration %}",
+                                    "{{ message['content'] }}{% endgeneration %}<|im_end|>")
+    assert outside != CHAT_TEMPLATE
+    folder = tokenizer_folder(tmp_path / "tok", template=outside)
+    corpus = write_jsonl(tmp_path / "chats.jsonl", chat_records(12))
+    with pytest.warns(UserWarning, match=r"end of turn '<\|im_end\|>' lies outside its \{% generation %\} marks"):
+        datamodule(corpus, folder, tmp_path / "a").setup("fit")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        datamodule(corpus, tokenizer_folder(tmp_path / "ok"), tmp_path / "b").setup("fit")
+    assert not any("end of turn" in str(w.message) for w in caught)

@@ -181,6 +181,27 @@ def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
             "{% generation %} ... {% endgeneration %}, so they cannot be told apart: add those marks around the "
             "assistant content in the template, or train on every token with --data.train_on all"
         )
+    if train_on == "assistant" and not _trains_end_of_turn(tokenizer):
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        token = tokenizer.decode([tokenizer.end_of_turn_id], skip_special_tokens=False)
+        rank_zero_warn(f"--data.train_on assistant: the chat template's end of turn {token!r} lies outside its "
+                       "{% generation %} marks, so the model is never trained to end an answer with it (predict stops "
+                       "there, or at EOS): move {% endgeneration %} after it in the template")
+
+
+def _trains_end_of_turn(tokenizer: Tokenizer) -> bool:
+    """Whether the template's end-of-turn token (``end_of_turn_id``) is among the tokens it marks as generated, in a
+    short rendered chat (``True`` where there is none to check)."""
+    turn = getattr(tokenizer, "end_of_turn_id", None)
+    if turn is None:
+        return True
+    try:
+        ids, mask = tokenizer.render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}],
+                                          assistant_mask=True)
+    except Exception:  # noqa: BLE001 - a template that needs other turns: nothing to check here
+        return True
+    return any(token == turn and marked for token, marked in zip(ids, mask or []))
 
 
 def record_scores(count: int, seed: int) -> np.ndarray:
