@@ -43,7 +43,7 @@ def condense_parse_error(message: str) -> str:
     if len(lines) <= 1:
         return message.strip()
     path: list[tuple[int, str]] = []  # (indent, key) of the enclosing "Parser key" lines
-    for line in lines:
+    for number, line in enumerate(lines):
         match = _KEY.match(line)
         indent = len(line) - len(line.lstrip())
         if match:
@@ -62,9 +62,27 @@ def condense_parse_error(message: str) -> str:
             section, rest = keys[0], keys[1:]
             flag = "--" + ".".join([section, "init_args", *rest] if section in ("model", "data") and rest else keys)
         reason = text[2:] if text.startswith("- ") else text
+        if text.startswith("- Expected a "):  # a union: every member it was tried as, and the value given
+            reason = _union_reason(lines[number:], indent)
         reason = re.sub(r"<class '([\w.]+)'>", r"\1", reason)
         return f"{flag}: {reason}" if flag else reason
     return lines[0].strip()
+
+
+def _union_reason(lines: list[str], indent: int) -> str:
+    """``Expected a A, or B`` from a union's sibling ``- Expected a ...`` lines (NoneType left out), and the value."""
+    expected, given, inside = [], None, True
+    for line in lines:
+        text = line.strip()
+        inside = inside and not (text and len(line) - len(line.lstrip()) < indent)
+        if inside and text.startswith("- Expected a ") and "NoneType" not in text:
+            expected.append(text[len("- Expected a "):])
+        elif text.startswith("Given value:") and given is None:
+            given = text[len("Given value:"):].strip()
+        elif _KEY.match(line) and not inside:
+            break
+    reason = "Expected a " + ", or ".join(expected)
+    return reason if given is None or "Got value" in reason else f"{reason}. Got value: {given}"
 
 
 class ShortErrorParser(LightningArgumentParser):

@@ -515,3 +515,16 @@ def test_an_unknown_field_of_a_settings_dict_names_the_flag_and_the_field_it_res
         HFCausalLM("llama", {"hidden_size": 32, "num_hidden_layers": 1}, mtp={"dept": 3})
     with pytest.raises(ValueError, match=r"^--model.init_args.generation.temprature: GenerationConfig has no field"):
         tiny_model(depth=1).__class__(generation={"temprature": 0.5})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model.init_args.generation.speculative", "maybe"],
+     r"speculative: Expected a bool, or typing.Literal\['auto'\]. Got value: maybe"),
+    (["--trainer.precision", "17"],
+     r"--trainer.precision: Expected a typing.Literal\[64, 32, 16\], or .*'bf16-mixed'.*Got value: 17"),
+])
+def test_a_value_a_union_refuses_names_every_accepted_kind(tmp_path, capsys, flags, message):
+    """A flag that takes several kinds of value (bool or 'auto'; the precision's three literal sets): the error
+    named only the first, so 'auto' or 'bf16-mixed' seemed refused."""
+    err = cli_refusal(tiny_fit_args(tmp_path, *flags), capsys)
+    assert re.search(message, err), err
