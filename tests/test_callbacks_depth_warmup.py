@@ -120,3 +120,25 @@ def test_state_round_trip_and_defaults():
     again.load_state_dict({})  # an older checkpoint without these keys
     assert (again.last_step, again.active_depth) == (-1, None)
     assert warmup.state_key != MTPDepthWarmup(schedule={0: 1, 9: 2}).state_key  # instances can coexist
+
+
+def test_plain_ddp_is_refused_before_training_while_a_depth_is_inactive(make_tiny_model):
+    """DDP fails at the first backward on the inactive depths' unused parameters (a long traceback per rank): refused
+    at train start, after a resume is restored, so a fit resumed past the warmup (every depth active) is not."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    model = make_tiny_model(depth=3)
+    warmup = MTPDepthWarmup(schedule={0: 1, 10: 3})
+
+    def start(strategy, step=0):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
+        trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total.completed = step
+        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+        warmup.setup(trainer, model, "fit")
+        warmup.on_train_start(trainer, model)
+
+    with pytest.raises(ValueError, match=r"--trainer.strategy ddp_find_unused_parameters_true"):
+        start(DDPStrategy())
+    start(DDPStrategy(find_unused_parameters=True))
+    start(DDPStrategy(), step=10)  # resumed past the warmup
+    start("auto")

@@ -116,6 +116,12 @@ class MTPDepthWarmup(MTPCallback):
             _warn_about_strategy(trainer)
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After a resume is restored: a fit resumed past the warmup trains every depth, which plain DDP takes.
+        if self.depth_at(trainer.global_step) < self._full_depth:
+            _refuse_ddp_without_unused_parameters(trainer)
+
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -147,9 +153,14 @@ def _warn_about_strategy(trainer: L.Trainer) -> None:
             "than absent, which applies weight decay to the inactive depths. Exclude the MTP modules from weight "
             "decay, or start with all depths, if that matters."
         )
-    elif "DDP" in strategy and not getattr(trainer.strategy, "_ddp_kwargs", {}).get("find_unused_parameters"):
-        rank_zero_warn(
-            "MTPDepthWarmup leaves the inactive depths without gradients: use "
-            "strategy='ddp_find_unused_parameters_true' (DDPStrategy(find_unused_parameters=True)) or DDP will fail "
-            "on the unused parameters."
+
+
+def _refuse_ddp_without_unused_parameters(trainer: L.Trainer) -> None:
+    """DDP fails at the first backward (a long traceback per rank) on the inactive depths' unused parameters."""
+    strategy = type(trainer.strategy).__name__
+    if "DDP" in strategy and not getattr(trainer.strategy, "_ddp_kwargs", {}).get("find_unused_parameters"):
+        raise ValueError(
+            "MTPDepthWarmup leaves the inactive depths without gradients, which DDP refuses at the first backward: "
+            "use --trainer.strategy ddp_find_unused_parameters_true (DDPStrategy(find_unused_parameters=True)), or "
+            "start with every depth"
         )
