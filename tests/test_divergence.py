@@ -29,6 +29,7 @@ def test_a_diverging_fit_stops_with_the_step_losses_and_advice_and_keeps_its_las
     assert found, err
     step = int(found.group(1))
     assert step < 40 and "--model.init_args.learning_rate, now 30" in err and "--trainer.gradient_clip_val" in err
+    assert "--trainer.precision 32-true" not in err  # the fit ran in full precision already: no such advice
     last = tmp_path / "ckpt" / "last.ckpt"
     assert str(last) in err and "--model.init_args.init_from" in err
     checkpoint = torch.load(last, weights_only=True)

@@ -74,10 +74,14 @@ class MTPDivergenceGuard:
         checkpoint = getattr(self.trainer.checkpoint_callback, "last_model_path", None) or None
         kept = (f"the last checkpoint, {checkpoint}, was written before it and is kept" if checkpoint
                 else "no checkpoint was written before it")
+        tries = [lower, "a longer warmup (--model.init_args.warmup_steps)"]
+        if not self.trainer.gradient_clip_val:  # advice the fit already follows is left out
+            tries.append("gradient clipping (--trainer.gradient_clip_val 1.0)")
+        if str(self.trainer.precision) not in ("32-true", "32", "64-true", "64"):
+            tries.append("full precision (--trainer.precision 32-true)")
         advice = (
-            f"The step was not applied and nothing was saved from it; {kept}. Try {lower}, a longer warmup "
-            "(--model.init_args.warmup_steps), gradient clipping (--trainer.gradient_clip_val 1.0) or full precision "
-            "(--trainer.precision 32-true)"
+            f"The step was not applied and nothing was saved from it; {kept}. Try {', '.join(tries[:-1])} or "
+            f"{tries[-1]}"
             + (f", starting from the kept checkpoint's weights with --model.init_args.init_from {checkpoint}"
                if checkpoint else "")
         )
