@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -152,8 +153,10 @@ def export(ckpt_path: str, out: str, serving_copies: bool = True, overwrite: boo
     as_saved(module, checkpoint.get("state_dict") or {})
     def write(folder: str) -> None:
         module.save_pretrained(folder, serving_copies=serving_copies, shown_as=out)
-        if module.mtp_tokenizer:  # the tokenizer the weights were trained with, so the folder is complete
-            save_for_transformers(module.mtp_tokenizer, folder)
+        if module.mtp_tokenizer and not save_for_transformers(module.mtp_tokenizer, folder):  # the folder complete
+            print(f"lightning-mtp: export: no tokenizer written to {out}: the checkpoint's tokenizer "
+                  f"({module.mtp_tokenizer.get('name', 'byte')}) has no transformers form; give the model UTF-8 bytes "
+                  "(ids 0-255) as the fit did", file=sys.stderr)
 
     write_folder(str(target), write, keep_other_files=False)  # whole or not at all, as save_pretrained
     return out

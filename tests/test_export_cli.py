@@ -168,3 +168,14 @@ def test_a_bf16_checkpoint_exports_as_bf16_with_its_exact_values(tmp_path):
     assert embed.dtype == torch.bfloat16 and torch.equal(exported["model.embed_tokens.weight"], embed)
     floats = [t for t in exported.values() if t.is_floating_point()]
     assert sum(t.dtype == torch.bfloat16 for t in floats) >= len(floats) - 4  # the MoE routers may stay float32
+
+
+def test_a_byte_tokenizer_checkpoint_exports_saying_no_tokenizer_is_written(tmp_path, capsys):
+    """The byte tokenizer has no transformers form: the folder has no tokenizer files, and export says so."""
+    from lightning_mtp.data.tokenizers import ByteTokenizer
+
+    model = native_model("glm4_moe", 1)
+    model.mtp_tokenizer = ByteTokenizer().spec()
+    cli_main(export_args(save_checkpoint(model, tmp_path / "byte.ckpt"), tmp_path / "out"))
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert "no tokenizer written" in capsys.readouterr().err
