@@ -19,10 +19,10 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import nn
+from test_mixin import GRUTrunkHost
 
 import lightning_mtp.data.datamodule as datamodule_module
-from lightning_mtp import MTPConfig, MTPMixin
+from lightning_mtp import MTPConfig
 from lightning_mtp.checkpointing import TOKENIZER_KEY
 from lightning_mtp.cli import main
 from lightning_mtp.data import TextDataModule
@@ -168,32 +168,12 @@ def test_cli_predict_with_a_prompts_file_does_not_tokenize_the_default_corpus(tm
 # ----------------------------------------------------------------------------------------------- hyper-parameters
 
 
-class GRULM(MTPMixin, L.LightningModule):
+class GRULM(GRUTrunkHost):
     """The README's own-module example at test size: ``vocab_size`` is one of its hyper-parameters."""
 
     def __init__(self, vocab_size: int = 258, dim: int = 32, lr: float = 1e-2):
-        super().__init__(mtp=MTPConfig(depth=2, architecture="cascaded", loss_weight=0.3))
+        super().__init__(vocab_size, dim)
         self.save_hyperparameters()
-        self.lr = lr
-        self.embed = nn.Embedding(vocab_size, dim)
-        self.trunk = nn.GRU(dim, dim, batch_first=True)
-        self.norm = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab_size, bias=False)
-
-    def mtp_token_embedding(self):
-        return self.embed
-
-    def mtp_output_head(self):
-        return self.head
-
-    def mtp_final_norm(self):
-        return self.norm
-
-    def mtp_trunk_hidden_states(self, input_ids):
-        return self.trunk(self.embed(input_ids))[0]
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 @pytest.mark.parametrize("tokenizer, data_vocab, model_vocab", [("byte", 4096, 258), ("bpe", 300, 320)])

@@ -5,38 +5,29 @@ the mean of the batches' own means, which weighs a token of a batch of short rec
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import lightning as L
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from ddp_step_tokens import FirstStep, build_model  # noqa: E402
 
 from lightning_mtp import MTPConfig
 from lightning_mtp.data import TextDataModule
 from lightning_mtp.mixin.step_tokens import scored_counts
 from lightning_mtp.models import CausalLM, ModelConfig
 
-
-class FirstGradients(L.Callback):
-    """The gradients of the first optimizer step, and the rows it trained on."""
-
-    def __init__(self):
-        self.grads, self.rows = None, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.grads is None:
-            self.rows += [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+LENGTHS = [3, 60, 4, 58, 5, 55, 6, 50, 7, 45, 8, 40, 9, 35, 10, 30, 11, 25, 12, 20]
+"""Record lengths in bytes: batches of them score very different numbers of tokens."""
 
 
 def first_step(corpus, tmp_path, batch_size, accumulate):
-    torch.manual_seed(0)
-    model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=2, n_heads=4, max_seq_len=64),
-                     MTPConfig(depth=2), warmup_steps=0)
+    model = build_model()
     data = TextDataModule(corpus=str(corpus), tokenizer="byte", seq_len=64, batch_size=batch_size, packing=False,
                           num_proc=1, cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
-    probe = FirstGradients()
+    probe = FirstStep()
     L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
               limit_val_batches=0, callbacks=[probe]).fit(model, data)
@@ -47,8 +38,7 @@ def test_accumulated_batches_weigh_each_scored_token_as_one_batch_of_them_all(tm
     """Records of 3 to 60 bytes, two batches of 2 accumulated: the step's gradient is that of the one batch of 4
     records (to float32 rounding); each batch's own mean, as before, differs from it by far more."""
     corpus = tmp_path / "records.jsonl"
-    lengths = [3, 60, 4, 58, 5, 55, 6, 50, 7, 45, 8, 40, 9, 35, 10, 30, 11, 25, 12, 20]
-    corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in lengths))
+    corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in LENGTHS))
     accumulated = first_step(corpus, tmp_path / "a", batch_size=2, accumulate=2)
     whole = first_step(corpus, tmp_path / "b", batch_size=4, accumulate=1)
     assert accumulated.rows == whole.rows and len(whole.rows) == 4  # the same 4 records, in the same order
@@ -82,16 +72,10 @@ def test_two_processes_accumulating_weigh_each_scored_token_of_the_step_alike(tm
     records, computed here in one process (the processes' counts are summed before the step)."""
     import os
     import subprocess
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-    from ddp_step_tokens import build_model
 
     root = Path(__file__).resolve().parents[1]
     corpus = tmp_path / "records.jsonl"
-    lengths = [3, 60, 4, 58, 5, 55, 6, 50, 7, 45, 8, 40, 9, 35, 10, 30, 11, 25, 12, 20]
-    corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in lengths))
+    corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in LENGTHS))
     env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, str(root / "tests/scripts/ddp_step_tokens.py"), str(corpus),
