@@ -78,6 +78,7 @@ def test_two_processes_accumulating_weigh_each_scored_token_of_the_step_alike(tm
     corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in LENGTHS))
     env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("LOCAL_RANK", None)
+    env.pop("PL_GLOBAL_SEED", None)  # an earlier test's seed_everything: Lightning would reseed the ranks with it
     proc = subprocess.run([sys.executable, str(root / "tests/scripts/ddp_step_tokens.py"), str(corpus),
                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -86,6 +87,7 @@ def test_two_processes_accumulating_weigh_each_scored_token_of_the_step_alike(tm
     assert len(rows) == 8 and len({len(r) for r in rows}) > 4
     model = build_model()
     model.configure_model()
+    model.load_state_dict(ranks[0]["initial"])  # the weights the DDP fit started from
     length = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     labels = torch.full_like(ids, -100)

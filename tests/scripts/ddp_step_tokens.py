@@ -23,8 +23,14 @@ def build_model() -> CausalLM:
 
 
 class FirstStep(L.Callback):
+    """The weights the fit starts from, the rows of its first optimizer step and that step's gradients."""
+
     def __init__(self):
-        self.rows, self.grads = [], None
+        self.rows, self.grads, self.initial = [], None, None
+
+    def on_train_start(self, trainer, pl_module):
+        # (a launcher may reseed between building the model and configure_model: the reference takes these)
+        self.initial = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.grads is None:
@@ -46,7 +52,7 @@ def main(corpus: str, out_dir: Path) -> None:
                         default_root_dir=str(out_dir))
     trainer.fit(build_model(), data)
     fell_back = trainer.lightning_module._mtp_step_tokens.warned  # per-batch means: the loader held no window
-    torch.save({"rows": probe.rows, "grads": probe.grads, "fell_back": fell_back},
+    torch.save({"rows": probe.rows, "grads": probe.grads, "fell_back": fell_back, "initial": probe.initial},
                out_dir / f"rank{trainer.global_rank}.pt")
 
 
