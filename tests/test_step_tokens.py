@@ -101,3 +101,25 @@ def test_two_processes_accumulating_weigh_each_scored_token_of_the_step_alike(tm
             for rank in ranks:  # to float32 rounding, relative to the gradient's scale (DDP sums in another order)
                 error = float((rank["grads"][name] - param.grad).abs().max() / param.grad.abs().max())
                 assert error < 1e-4, (name, error)
+
+
+def test_a_pass_cut_short_by_limit_train_batches_weighs_only_the_batches_it_trains(tmp_path):
+    """``limit_train_batches 1`` with 2 batches accumulated: the step trains one batch; the loader read its window
+    whole, and the batch it never trains must not count (the gradient is that batch's own)."""
+    corpus = tmp_path / "records.jsonl"
+    corpus.write_text("".join(json.dumps({"text": ("abcdefghij" * 6)[:n]}) + "\n" for n in LENGTHS))
+
+    def run(folder, accumulate):
+        model = build_model()
+        data = TextDataModule(corpus=str(corpus), tokenizer="byte", seq_len=64, batch_size=2, packing=False,
+                              num_proc=1, cache_dir=str(folder / "cache"), val_fraction=0.1)
+        probe = FirstStep()
+        L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, limit_train_batches=1,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe]).fit(model, data)
+        return probe
+
+    cut, alone = run(tmp_path / "a", 2), run(tmp_path / "b", 1)
+    assert cut.rows == alone.rows and len(cut.rows) == 2
+    for name, grad in alone.grads.items():
+        torch.testing.assert_close(cut.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -86,7 +86,7 @@ class ResumableDataLoader(DataLoader):
         self._epoch = 0  # the pass being (or about to be) iterated
         self._yielded = 0  # batches of that pass handed out so far
         self._resuming = False
-        self._windows: dict[int, list] = {}  # window number -> its batches (the current and the last ones)
+        self._windows: dict[int, tuple[int, list]] = {}  # window -> (its first batch's number, its batches)
 
     def __iter__(self):
         # A generator: the state is read when the first batch is requested, so a load_state_dict after iter() (as
@@ -124,16 +124,22 @@ class ResumableDataLoader(DataLoader):
             read = list(itertools.islice(batches, (window + 1) * self.accumulate - ordinal))
             if not read:
                 return
-            self._windows[window] = read
+            self._windows[window] = (ordinal, read)
             for old in [w for w in self._windows if w < window - 2]:  # a prefetching loop is a batch ahead
                 del self._windows[old]
             yield from read
             ordinal += len(read)
 
-    def accumulation_window(self, batch_index: int) -> Optional[list]:
+    def accumulation_window(self, batch_index: int, limit: Optional[int] = None) -> Optional[list]:
         """The batches (as collated, before any device transfer) of the window that the pass's batch
-        ``batch_index`` belongs to; ``None`` when it is not held (``accumulate`` is 1, or the window has passed)."""
-        return self._windows.get(batch_index // self.accumulate) if self.accumulate > 1 else None
+        ``batch_index`` belongs to, those before the pass's batch ``limit`` only (the trainer's
+        ``limit_train_batches`` ends a pass early); ``None`` when it is not held (``accumulate`` is 1, or the window
+        has passed)."""
+        held = self._windows.get(batch_index // self.accumulate) if self.accumulate > 1 else None
+        if held is None:
+            return None
+        first, batches = held
+        return batches if limit is None else batches[: max(limit - first, 0)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._epoch, "batches_yielded": self._yielded, **self._layout()}

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -72,7 +73,9 @@ class StepTokens:
             if key == self._window and self._totals is not None:
                 return self._totals
             window = getattr(trainer.train_dataloader, "accumulation_window", None)
-            batches = window(batch_idx) if window is not None else None
+            limit = trainer.num_training_batches  # a pass that limit_train_batches ends early: its last window too
+            limit = int(limit) if math.isfinite(limit) else None
+            batches = window(batch_idx, limit) if window is not None else None
             if batches is None:
                 if not self.warned:
                     self.warned = True
