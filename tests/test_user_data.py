@@ -141,9 +141,9 @@ def test_train_on_all_trains_every_chat_token(tok_dir, tmp_path):
 def test_the_tokenized_records_are_cached(tok_dir, tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "chat.jsonl", chat_records(20))
     datamodule(corpus, tok_dir, tmp_path).setup("fit")
-    import lightning_mtp.data.records as records
+    import lightning_mtp.data.chat_records as chat_module
 
-    monkeypatch.setattr(records._ChatEncoder, "__call__", lambda *a: pytest.fail("tokenized again"))
+    monkeypatch.setattr(chat_module.ChatEncoder, "__call__", lambda *a: pytest.fail("tokenized again"))
     dm = datamodule(corpus, tok_dir, tmp_path)
     dm.setup("fit")
     assert len(dm.train_dataset) > 0

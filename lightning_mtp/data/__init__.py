@@ -16,7 +16,8 @@ from lightning_mtp.data.corpus import (
     split_files,
     stdlib_root,
 )
-from lightning_mtp.data.datamodule import TextDataModule, tokenize_documents
+from lightning_mtp.data.datamodule import TextDataModule
+from lightning_mtp.data.documents import tokenize_documents
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
 from lightning_mtp.data.prompts import PromptCollator, PromptDataset, read_prompts_file
 from lightning_mtp.data.tokenizer_choice import build_tokenizer, tokenizer_from_spec

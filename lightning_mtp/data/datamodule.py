@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +43,7 @@ from lightning_mtp.data.corpus import (
     find_corpus_files,
     plan_splits,
 )
+from lightning_mtp.data.documents import read_tallied, tokenize_documents
 from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
 from lightning_mtp.data.pretrained_tokenizer import (
     check_tokenizer_path,
@@ -74,9 +74,6 @@ _TOKENS_FORMAT_VERSION = 2  # 2: a model folder's tokenizer gives raw documents 
 _FINGERPRINT_FILES = 2000
 """A checkpoint lists the corpus files up to this many (to name what changed on resume); beyond, their digest only."""
 
-_TOKENIZE_CHUNK = 64
-"""Files encoded per ``encode_batch`` call (bounds peak memory of the encodings)."""
-
 
 def _fail(field: str, message: str) -> ValueError:
     return ValueError(f"--data.{field} {message}")
@@ -85,15 +82,6 @@ def _fail(field: str, message: str) -> ValueError:
 def _check_int(field: str, value: Any, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise _fail(field, f"must be an integer >= {least}, got {value!r}")
-
-
-def _read_tallied(spans: Sequence[FileSpan], tally: UndecodableTally) -> list[str]:
-    texts = []
-    for span in spans:
-        text, replaced = span.read_counted()
-        tally.add(span.path, len(text), replaced)
-        texts.append(text)
-    return texts
 
 
 def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
@@ -127,33 +115,6 @@ def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
         how = (f"{old[first][1]} -> {new[first][1]} bytes" if old[first][1] != new[first][1] else "modified")
         parts.append(f"{len(changed)} changed (first {first}: {how})")
     return ", ".join(parts) or "the files' order changed"
-
-
-def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Encode documents and join them as one 1-D array of ids: a model folder's tokenizer gives each document its own
-    special tokens (its BOS, as records and prompts get them) and EOS last (``encode_document``); the project's own
-    tokenizers (no BOS) put ``tokenizer.eos_id`` between documents.
-
-    Example::
-
-        >>> from lightning_mtp.data.tokenizers import ByteTokenizer
-        >>> tokenize_documents(["ab", "c"], ByteTokenizer()).tolist()
-        [97, 98, 256, 99]
-    """
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-    parts: list[np.ndarray] = []
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    encode_document = getattr(tokenizer, "encode_document", None)
-    for start in range(0, len(texts), _TOKENIZE_CHUNK):
-        chunk = list(texts[start : start + _TOKENIZE_CHUNK])
-        if encode_document is not None:
-            parts.extend(np.asarray(ids, dtype=dtype) for ids in encode_document(chunk))
-            continue
-        for ids in tokenizer.encode_batch(chunk):
-            if parts:
-                parts.append(eos)
-            parts.append(np.asarray(ids, dtype=dtype))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 class TextDataModule(L.LightningDataModule):
@@ -468,7 +429,7 @@ class TextDataModule(L.LightningDataModule):
         counts = {}
         tally = UndecodableTally()
         for split, spans in (("train", train), ("val", val)):
-            ids = tokenize_documents(_read_tallied(spans, tally), tokenizer)
+            ids = tokenize_documents(read_tallied(spans, tally), tokenizer)
             atomic_write(out / f"{split}.npy", lambda fh, ids=ids: np.save(fh, ids))
             counts[split] = {"files": len(spans), "bytes": sum(s.nbytes for s in spans), "tokens": int(ids.size)}
         warning = tally.warning(corpus_root(self.corpus))

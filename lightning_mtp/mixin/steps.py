@@ -57,7 +57,7 @@ class MTPSteps:
         step (every batch its gradient accumulates, every process: :mod:`~lightning_mtp.mixin.step_tokens`); the
         logged values are the batch's own means."""
         input_ids, labels, position_ids = self.mtp_checked_batch(batch)
-        tokens = self.__dict__.setdefault("_mtp_step_tokens", StepTokens())
+        tokens = self.__dict__.get("_mtp_step_tokens") or self.__dict__.setdefault("_mtp_step_tokens", StepTokens())
         normalizers = tokens.normalizers(self, labels, input_ids, position_ids, batch_idx)
         self._mtp_step_normalizers = normalizers
         try:

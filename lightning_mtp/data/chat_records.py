@@ -1,0 +1,113 @@
+"""Chat records: their turns as a chat template gets them, rendered into ids with the template, and labels on the
+tokens the template marks as generated (``{% generation %}``, as ``transformers``' ``return_assistant_tokens_mask``
+marks them); the checks a template must pass for that."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_mtp.data.record_rows import IGNORE_INDEX
+from lightning_mtp.data.tokenizers import Tokenizer
+
+TURNS_VERSION = 2
+"""Bump when chat turns are rendered differently (2: a turn's null keys are dropped first, :func:`chat_turns`)."""
+
+
+def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
+    """Chat records need a chat template, and ``train_on="assistant"`` one that marks the generated tokens."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ValueError(
+            f"--data.messages_field: the records are chat, and the tokenizer {tokenizer.name} has no chat template: "
+            "give --data.tokenizer the model folder whose tokenizer_config.json (or chat_template.jinja) has one"
+        )
+    if train_on == "assistant" and not tokenizer.marks_generation():
+        raise ValueError(
+            "--data.train_on assistant: the chat template does not mark the assistant's tokens with "
+            "{% generation %} ... {% endgeneration %}, so they cannot be told apart: add those marks around the "
+            "assistant content in the template, or train on every token with --data.train_on all"
+        )
+    if train_on == "assistant" and not _trains_end_of_turn(tokenizer):
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        token = tokenizer.decode([tokenizer.end_of_turn_id], skip_special_tokens=False)
+        rank_zero_warn(f"--data.train_on assistant: the chat template's end of turn {token!r} lies outside its "
+                       "{% generation %} marks, so the model is never trained to end an answer with it (predict stops "
+                       "there, or at EOS): move {% endgeneration %} after it in the template")
+
+
+def _trains_end_of_turn(tokenizer: Tokenizer) -> bool:
+    """Whether the template's end-of-turn token (``end_of_turn_id``) is among the tokens it marks as generated, in a
+    short rendered chat (``True`` where there is none to check)."""
+    turn = getattr(tokenizer, "end_of_turn_id", None)
+    if turn is None:
+        return True
+    try:
+        ids, mask = tokenizer.render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}],
+                                          assistant_mask=True)
+    except Exception:  # noqa: BLE001 - a template that needs other turns: nothing to check here
+        return True
+    return any(token == turn and marked for token, marked in zip(ids, mask or []))
+
+
+class ChatEncoder:
+    """A batch of chat records -> ids rendered with the chat template; labels -100 outside the assistant's tokens
+    (``assistant_only``) or nowhere."""
+
+    def __init__(self, tokenizer: Tokenizer, field: str, assistant_only: bool,
+                 positions: Optional[list[int]] = None) -> None:
+        self.tokenizer, self.field, self.assistant_only = tokenizer, field, assistant_only
+        self.positions = positions  # the split's records' positions in the corpus (None: the split's own)
+
+    def __call__(self, batch: dict, indices: Optional[list[int]] = None) -> dict:
+        all_ids, all_labels = [], []
+        for offset, messages in enumerate(batch[self.field]):
+            if not messages:
+                all_ids.append([])
+                all_labels.append([])
+                continue
+            index = None if indices is None else indices[offset]
+            where = ("a chat record" if index is None else
+                     f"chat record {index if self.positions is None else self.positions[index]} of the corpus "
+                     "(counting from 0, files in sorted order)")
+            turns = chat_turns(messages, where)
+            try:
+                ids, mask = self.tokenizer.render_chat(turns, assistant_mask=self.assistant_only)
+            except Exception as error:  # noqa: BLE001 - the template's own refusal (a role it lacks), named
+                roles = [turn.get("role") for turn in turns]
+                raise ValueError(f"--data.messages_field: the chat template refused {where} (roles {roles}): "
+                                 f"{type(error).__name__}: {error}") from error
+            labels = ids if mask is None else [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+            if all(label == IGNORE_INDEX for label in labels):
+                ids, labels = [], []  # nothing to train on (no assistant turn)
+            all_ids.append(ids)
+            all_labels.append(labels)
+        return {"input_ids": all_ids, "labels": all_labels, "length": [len(row) for row in all_ids]}
+
+
+def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
+    """A chat record's turns as the chat template gets them: each a ``{"role": str, "content": str}`` dict, whose
+    other keys (``tool_calls``, ``name``...) are kept where the record has them; an assistant turn that calls tools
+    may have no content (null, as OpenAI's format writes it). A key that is null is dropped: Arrow gives every turn
+    of a file each key any turn has, and a template testing ``'tool_calls' in message`` must not see it on others.
+
+    Example::
+
+        >>> chat_turns([{"role": "user", "content": "Hi", "tool_calls": None}])
+        [{'role': 'user', 'content': 'Hi'}]
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f"--data.messages_field: {where} must be a list of {{'role': str, 'content': str}} turns, "
+                         f"got {type(messages).__name__} {str(messages)[:80]}")
+    turns = []
+    for number, turn in enumerate(messages):
+        problem = None
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            problem = "has no 'role' string"
+        elif not isinstance(turn.get("content"), str) and not (turn.get("content") is None and turn.get("tool_calls")):
+            problem = (f"has {type(turn.get('content')).__name__} content (a string is needed; null only with "
+                       "'tool_calls')")
+        if problem is not None:
+            raise ValueError(f"--data.messages_field: turn {number} of {where} {problem}: {str(turn)[:120]}")
+        turns.append({key: value for key, value in turn.items() if value is not None or key == "content"})
+    return turns
