@@ -39,10 +39,13 @@ def scored_counts(batch: Any, depth: int, ignore_index: int = -100) -> Tensor:
     :meth:`~lightning_mtp.mixin.objective.MTPObjective.compute_lm_loss` scores them (labels shifted by k + 1, ignored
     labels and padding not counted, no target across a packed document)."""
     input_ids, labels = unpack_batch(batch, ignore_index)
-    labels = input_ids if labels is None else labels
-    positions = batch_position_ids(batch)
+    return label_counts(input_ids if labels is None else labels, batch_position_ids(batch), depth, ignore_index)
+
+
+def label_counts(labels: Tensor, position_ids: Optional[Tensor], depth: int, ignore_index: int) -> Tensor:
+    """:func:`scored_counts` of (B, T) ``labels`` (``ignore_index`` where not trained) and packed ``position_ids``."""
     T = labels.shape[1]
-    counts = [(depth_targets(labels, k, max(T - k - 1, 0), positions, ignore_index) != ignore_index).sum()
+    counts = [(depth_targets(labels, k, max(T - k - 1, 0), position_ids, ignore_index) != ignore_index).sum()
               for k in range(depth + 1)]
     return torch.stack(counts).to(torch.float64)
 
@@ -67,7 +70,7 @@ class StepTokens:
             return None
         depth, ignore = module.mtp_config.depth, module.mtp_config.ignore_index
         if accumulate == 1:
-            local = self._local(labels, input_ids, position_ids, depth, ignore)
+            local = label_counts(input_ids if labels is None else labels, position_ids, depth, ignore)
         else:
             key = (int(trainer.current_epoch), batch_idx // accumulate)
             if key == self._window and self._totals is not None:
@@ -93,11 +96,3 @@ class StepTokens:
         if accumulate > 1:
             self._totals = totals
         return totals
-
-    @staticmethod
-    def _local(labels: Optional[Tensor], input_ids: Tensor, position_ids: Optional[Tensor], depth: int,
-               ignore: int) -> Tensor:
-        batch = {"input_ids": input_ids, "labels": labels if labels is not None else input_ids}
-        if position_ids is not None:
-            batch["position_ids"] = position_ids
-        return scored_counts(batch, depth, ignore)
