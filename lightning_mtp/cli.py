@@ -111,7 +111,7 @@ class MTPLightningCLI(LightningCLI):
         given = ckpt_rules.given_keys(self._raw_args, ckpt_rules.config_files(self._raw_args))
         ckpt_path = section.get("ckpt_path")
         if ckpt_path == "last":  # Lightning's word for the checkpoint callback's last.ckpt
-            ckpt_path = section["ckpt_path"] = last_checkpoint(section)
+            ckpt_path = section["ckpt_path"] = last_checkpoint(section, subcommand)
         init_from = current.get("model.init_from")
         self._tokenizer_record: Optional[dict] = None
         if ckpt_path:
@@ -246,13 +246,16 @@ class MTPLightningCLI(LightningCLI):
                              f"in (0, 1]), got {interval!r}")
         if rank_zero_only.rank != 0:
             return
+        resuming = bool(self.config[self.subcommand].get("ckpt_path"))
         for callback in self.trainer.callbacks:
             if isinstance(callback, SafeCheckpoint):
                 callback.lock_folder()
+                callback.check_new_fit(resuming)
 
 
-def last_checkpoint(section: Any) -> str:
-    """``--ckpt_path last``: ``last.ckpt`` in the folder of the config's checkpoint callback (``SafeCheckpoint``)."""
+def last_checkpoint(section: Any, subcommand: str) -> Optional[str]:
+    """``--ckpt_path last``: ``last.ckpt`` in the folder of the config's checkpoint callback (``SafeCheckpoint``);
+    for ``fit``, ``None`` (a new fit) while there is none."""
     callbacks = section.get("trainer", {}).get("callbacks") or []
     folders = [str(c.get("init_args", {}).get("dirpath")) for c in (callbacks if isinstance(callbacks, list)
                else [callbacks]) if hasattr(c, "get") and str(c.get("class_path", "")).endswith("Checkpoint")
@@ -262,7 +265,13 @@ def last_checkpoint(section: Any) -> str:
                          "in; give the checkpoint's path")
     path = Path(folders[0]) / "last.ckpt"
     if not (path.exists() or restore_interrupted_swap(str(path))):
-        raise ValueError(f"--ckpt_path last: there is no {path} yet (nothing to resume: start without --ckpt_path)")
+        if subcommand != "fit":
+            raise ValueError(f"--ckpt_path last: there is no {path} yet (no fit has written one)")
+        # Lightning's reading: set once, it resumes a fit that was stopped and starts one that never ran (a job a
+        # scheduler requeues runs one command)
+        if rank_zero_only.rank == 0:
+            print(f"lightning-mtp: --ckpt_path last: there is no {path} yet: a new fit starts", file=sys.stderr)
+        return None
     return str(path)
 
 

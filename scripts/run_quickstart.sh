@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export TOKENIZERS_PARALLELISM=false
-.venv/bin/lightning-mtp fit --config configs/quickstart.yaml "$@"
+# --ckpt_path last: a second run resumes the first fit (a finished one takes no step) instead of starting over it
+.venv/bin/lightning-mtp fit --config configs/quickstart.yaml --ckpt_path last "$@"
 ckpt=outputs/quickstart/checkpoints/last.ckpt
 # No --data flags: the tokenizer and the held-out split come from the checkpoint.
 # Batch 1 (one prompt at a time, the latency case speculative decoding is for); speculative = "auto", the default.

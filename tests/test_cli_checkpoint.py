@@ -125,16 +125,6 @@ def test_init_from_refuses_another_tokenizer(trained, tmp_path, capsys):
     assert "--data.init_args.tokenizer" in err and "init_from" in err
 
 
-def test_refitting_into_the_same_folder_replaces_last_ckpt(tmp_path):
-    """The quickstart's fit twice into one folder: last.ckpt is the second run's, no last-v1.ckpt beside it."""
-    main(tiny_fit_args(tmp_path, "--trainer.max_steps", "2"))
-    first = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
-    main(tiny_fit_args(tmp_path, "--trainer.max_steps", "3", "--seed_everything", "7"))
-    second = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
-    assert (first["global_step"], second["global_step"]) == (2, 3)
-
-
 def test_a_later_config_files_null_unsets_what_an_earlier_one_set(tmp_path):
     # `--config deepspeed_zero3 --config finetune`: finetune's `tokenizer: null` undoes zero3's `tokenizer: bpe`, so
     # a resume takes the checkpoint's tokenizer instead of refusing a tokenizer nobody gave
@@ -191,16 +181,33 @@ def test_two_paths_to_the_same_folder_are_the_same_setting(tmp_path, monkeypatch
     assert not same("model", str(tmp_path)) and not same("bpe", "byte")
 
 
-def test_ckpt_path_last_resumes_the_checkpoint_callbacks_last_file(tmp_path):
-    """``--ckpt_path last`` (Lightning's word) is the config's checkpoint folder's last.ckpt; before there is one, it
-    is refused saying there is nothing to resume."""
+def test_ckpt_path_last_resumes_the_checkpoint_callbacks_last_file(tmp_path, capsys):
+    """``--ckpt_path last`` (Lightning's word) is the config's checkpoint folder's last.ckpt; before there is one, a
+    fit starts anew (one command for a job a scheduler requeues) and predict is refused."""
     from conftest import tiny_fit_args
 
     from lightning_mtp.cli import main
 
-    with pytest.raises(SystemExit) as refused:
-        main(tiny_fit_args(tmp_path, "--ckpt_path", "last"))
-    assert refused.value.code == 2
-    main(tiny_fit_args(tmp_path))
+    main(tiny_fit_args(tmp_path, "--ckpt_path", "last"))
+    assert "a new fit starts" in capsys.readouterr().err
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
     main(tiny_fit_args(tmp_path, "--trainer.max_steps", "5", "--ckpt_path", "last"))
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_a_new_fit_into_a_folder_holding_an_earlier_fits_last_ckpt_is_refused(tmp_path, capsys):
+    """Rerunning a stopped fit's command without ``--ckpt_path`` would replace its ``last.ckpt`` at the first save:
+    refused before the fit starts; the file is untouched (a ``Trainer`` of one's own: test_safe_checkpoint)."""
+    from conftest import tiny_fit_args
+
+    from lightning_mtp.cli import main
+
+    main(tiny_fit_args(tmp_path))
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = last.read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        main(tiny_fit_args(tmp_path, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1"))
+    assert refused.value.code == 2
+    message = capsys.readouterr().err
+    assert "earlier fit" in message and "--ckpt_path last" in message and "dirpath" in message
+    assert last.read_bytes() == before

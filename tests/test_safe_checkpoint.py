@@ -340,3 +340,20 @@ def test_the_validation_a_signal_skips_runs_first_when_the_fit_resumes(tmp_path,
     assert [step for step, _ in first.runs + resumed.runs] == [step for step, _ in reference.runs]
     assert [loss for _, loss in first.runs + resumed.runs] == pytest.approx([loss for _, loss in reference.runs],
                                                                             abs=1e-6)
+
+
+def test_a_new_fit_over_an_earlier_fits_last_ckpt_is_refused_at_train_start(tmp_path):
+    """A ``Trainer`` of one's own: a fit that resumes nothing into a folder holding ``last.ckpt`` is refused before
+    its first step (the file kept); resuming it, or ``enable_version_counter`` (``last-v1.ckpt`` beside it), is not."""
+    cache = tmp_path / "cache"
+    fit(tmp_path, cache, max_steps=2)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = last.read_bytes()
+    with pytest.raises(ValueError, match="earlier fit's checkpoint.*--ckpt_path last"):
+        fit(tmp_path, cache, max_steps=2)
+    assert last.read_bytes() == before
+    trainer, _, _ = fit(tmp_path, cache, ckpt_path=str(last), max_steps=3)
+    assert trainer.global_step == 3
+    fit(tmp_path, cache, max_steps=1, checkpoint=SafeCheckpoint(dirpath=str(tmp_path / "ckpt"),
+                                                                 save_every_minutes=None, enable_version_counter=True))
+    assert (tmp_path / "ckpt" / "last-v1.ckpt").exists()

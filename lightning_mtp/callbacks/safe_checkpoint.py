@@ -14,7 +14,8 @@ What it adds to Lightning's ``ModelCheckpoint`` (whose arguments it takes, for t
   fit runs it first). The signal may reach one rank or all of them: the ranks agree on it after every batch, so all
   stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
 - one fit per folder: a lock (:mod:`~lightning_mtp.callbacks.folder_lock`) refuses a second fit into the same folder,
-  naming the process that writes there;
+  naming the process that writes there; a new fit (nothing resumed) into a folder that holds an earlier fit's
+  ``last.ckpt`` is refused too (its first save would replace it): resume it, or give the new fit another folder;
 - a fit that diverged (:class:`~lightning_mtp.finite.TrainingDiverged`) saves nothing: the last good checkpoint stays.
 
 Example::
@@ -59,8 +60,9 @@ class SafeCheckpoint(ModelCheckpoint):
         save_top_k: how many best files to keep besides ``last.ckpt`` (default 0).
         save_every_minutes: also write ``last.ckpt`` once this many minutes of training have passed since the last
             save (``None``: at validations, at the end and on a signal only).
-        enable_version_counter: ``False`` (default) replaces ``last.ckpt`` of an earlier run in the same folder
-            instead of writing ``last-v1.ckpt`` beside it.
+        enable_version_counter: ``True`` lets a new fit write ``last-v1.ckpt`` beside an earlier fit's ``last.ckpt``;
+            ``False`` (default) keeps one ``last.ckpt`` per folder, and a new fit into a folder that holds one is
+            refused (:meth:`check_new_fit`).
         **kwargs: the other arguments of ``ModelCheckpoint`` (``mode``, ``every_n_train_steps``, ...).
     """
 
@@ -107,6 +109,20 @@ class SafeCheckpoint(ModelCheckpoint):
                 "another folder: SafeCheckpoint's dirpath in the config (--trainer.callbacks.init_args.dirpath sets "
                 "the last callback's of the config's list), and the logger's --trainer.logger.init_args.save_dir")
 
+    def check_new_fit(self, resuming: bool) -> None:
+        """Refuse a new fit (``resuming`` false: no checkpoint restored) into a folder that holds an earlier fit's
+        ``last.ckpt``: its first save would replace that fit's work (a rerun of a stopped fit's command without
+        ``--ckpt_path last``, say). The CLI calls this before it launches the fit, ``on_train_start`` on every fit."""
+        if resuming or not self.dirpath or self._enable_version_counter:
+            return
+        last = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        if last.exists() or restore_interrupted_swap(str(last)):
+            raise ValueError(
+                f"{last} is an earlier fit's checkpoint, which this new fit would replace: resume it with --ckpt_path "
+                "last (or its path), start from its weights in another folder (--model.init_args.init_from), or "
+                "give this fit another folder: SafeCheckpoint's dirpath in the config (--trainer.callbacks.init_args."
+                "dirpath sets the last callback's of the config's list), or move that one away")
+
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -134,6 +150,15 @@ class SafeCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        refusal = None
+        if trainer.is_global_zero:
+            try:
+                self.check_new_fit(resuming=trainer.ckpt_path is not None)
+            except ValueError as error:
+                refusal = str(error)
+        refusal = trainer.strategy.broadcast(refusal)
+        if refusal:
+            raise ValueError(refusal)  # on every rank alike
         self._last_save_time = time.monotonic()
         self._install_signal_handlers()  # already done when a sanity check ran
         if self._validate_first:
