@@ -38,6 +38,7 @@ def _run(strategy: str, parts: str, out: Path) -> Path:
                     f"{(error.stdout or b'')[-4000:]}\n{(error.stderr or b'')[-8000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{strategy} run failed (rc={proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}")
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -108,6 +109,14 @@ def test_every_callback_of_the_mtp_config_logs_as_under_ddp(ddp_run, sharded, re
     assert {"val/mtp/loss_depth2", "val/mtp/coupling_depth1", "val/mtp/accept_chained_depth2", "val/mtp/ece_depth2",
             "val/mtp/temperature_depth2", "train/mtp/diversity", "train/mtp/distill", "train/mtp/lambda",
             "train/mtp/active_depth", "train/mtp/weight_depth2"} <= names
+
+
+def test_callbacks_log_synced_values_without_lightnings_unsynced_warning(ddp_run):
+    """The coupling monitor's and the draft calibration's epoch values are equal on every rank (torchmetrics' sync,
+    summed statistics); logged as plain tensors Lightning warned once per name and rank to use sync_dist."""
+    stderr = (ddp_run / "stderr.txt").read_text()
+    assert "val/mtp/coupling_depth1" in (ddp_run / "callbacks.json").read_text()
+    assert "sync_dist=True" not in stderr, [line for line in stderr.splitlines() if "sync_dist=True" in line][:3]
 
 
 def test_a_fit_stopped_by_safe_checkpoint_resumes_exactly(fsdp2_run):

@@ -316,7 +316,8 @@ class MTPCouplingMonitor(TeacherForcedCallback):
             if metric.update_count:
                 values[name] = metric.compute()  # synchronised across ranks by torchmetrics
         if values:
-            pl_module.log_dict(values, on_step=False, on_epoch=True)
+            # equal on every rank already: a max over them changes no bit (Lightning warns of unsynced epoch values)
+            pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
         coupled = {name: float(v) for name, v in values.items()
                    if name.startswith("val/mtp/coupling_") and float(v) > self.coupling_threshold}
         if coupled and not self.warned:

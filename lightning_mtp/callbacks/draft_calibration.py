@@ -219,7 +219,9 @@ class MTPDraftCalibration(TeacherForcedCallback):
             logged[f"val/mtp/draft_kl_depth{k}"] = kl
         pl_module.mtp_draft_temperatures = temperatures
         self.fits += 1
-        pl_module.log_dict(logged, on_step=False, on_epoch=True)
+        # equal on every rank (fitted to the summed statistics): a max over them changes no bit (Lightning warns of
+        # unsynced epoch values)
+        pl_module.log_dict(logged, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def solve(self) -> dict[int, tuple[float, float]]:
         """{depth: (T_k, mean KL(main ‖ softmax(z / T_k)))} for every depth that saw positions."""
