@@ -45,7 +45,13 @@ from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.callbacks.safe_checkpoint import restore_interrupted_swap
-from lightning_mtp.checkpointing import TOKENIZER_KEY, read_checkpoint, refuse_deepspeed_folder
+from lightning_mtp.checkpointing import (
+    TOKENIZER_KEY,
+    convert_command,
+    is_deepspeed_folder,
+    read_checkpoint,
+    refuse_deepspeed_folder,
+)
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args, with_checkpoint_config
 from lightning_mtp.cli_errors import ShortErrorParser, fail, peer_failed, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help
@@ -119,7 +125,13 @@ class MTPLightningCLI(LightningCLI):
                 print(f"lightning-mtp: {ckpt_path} brought back from the copy kept while a save was interrupted",
                       file=sys.stderr)
             strategy = " ".join(str(value) for key, value in current.items() if key.startswith("trainer.strategy"))
-            if subcommand != "fit" and "deepspeed" not in strategy.lower():  # Lightning reads the shards as a file
+            if "deepspeed" not in strategy.lower():  # Lightning reads the shards as a file
+                if subcommand == "fit" and is_deepspeed_folder(ckpt_path):
+                    raise ValueError(
+                        f"--ckpt_path {str(ckpt_path)!r} is a DeepSpeed checkpoint folder: resume it under the "
+                        "DeepSpeed config it was written with (--config deepspeed_zero2 or deepspeed_zero3 before the "
+                        f"model's config), or convert it to one fp32 file with {convert_command(ckpt_path)} and start "
+                        "a new fit from its weights with --model.init_args.init_from model.ckpt")
                 refuse_deepspeed_folder(ckpt_path, "--ckpt_path", subcommand)
             checkpoint = read_checkpoint(ckpt_path, "--ckpt_path")
             if subcommand == "predict":

@@ -89,6 +89,9 @@ def test_predict_without_deepspeed_is_told_how_to_convert_and_the_converted_file
         extra = ["--out", str(tmp_path / "exported")] if command == ["export"] else []
         err = cli_refusal([*command, "--ckpt_path", str(zero3_folder), *extra], capsys)  # was IsADirectoryError
         assert "is a DeepSpeed checkpoint folder" in err and "convert_zero_checkpoint_to_fp32_state_dict" in err
+    # a fit without DeepSpeed resuming it (IsADirectoryError before): resume under DeepSpeed, or convert and init_from
+    err = cli_refusal(tiny_fit_args(tmp_path, "--ckpt_path", str(zero3_folder)), capsys)
+    assert "is a DeepSpeed checkpoint folder" in err and "deepspeed_zero3" in err and "init_from" in err
     target = tmp_path / "model.ckpt"
     convert_zero_checkpoint_to_fp32_state_dict(str(zero3_folder), str(target))
     refuse_deepspeed_folder(target)  # a file: nothing to refuse

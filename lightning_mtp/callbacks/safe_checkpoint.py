@@ -2,17 +2,21 @@
 
 What it adds to Lightning's ``ModelCheckpoint`` (whose arguments it takes, for top-k files too):
 
-- ``last.ckpt`` after every validation and every ``save_every_minutes`` of training, whatever ``save_top_k`` is
-  (Lightning's writes it only next to a top-k file, so ``save_top_k: 0`` wrote it at the end of a fit only);
+- ``last.ckpt`` after every validation, every ``save_every_minutes`` of training and at the end of the fit, whatever
+  ``save_top_k`` is (Lightning's writes it only next to a top-k file, and at the end only if it never wrote one, so
+  the steps after the last validation were lost);
+- only where an optimizer step has just ended: with ``accumulate_grad_batches`` the gradients of a window's first
+  batches are in no checkpoint, so a save (or a stop) that falls inside a window waits for its step;
 - every file is written atomically: to a hidden ``.<name>.partial`` in the same folder, then renamed over the old
   one, so a kill during a save leaves the previous checkpoint intact (a DeepSpeed checkpoint folder is swapped the
   same way, the old one kept as ``.<name>.previous`` until the new one is in place, and brought back if a crash left
   only that);
 - on SIGTERM (a scheduler's preemption, ``kill``, ``docker stop``) or SIGINT (Ctrl-C) the fit finishes its current
-  batch, saves ``last.ckpt`` and stops with exit status 128 + the signal's number (143, 130); ``--ckpt_path
-  last.ckpt`` then resumes it exactly (a validation due at that step, or under way, is not waited for: the resumed
-  fit runs it first). The signal may reach one rank or all of them: the ranks agree on it after every batch, so all
-  stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt`` written before;
+  batch (its optimizer step, when accumulating), saves ``last.ckpt`` and stops with exit status 128 + the signal's
+  number (143, 130); ``--ckpt_path last.ckpt`` then resumes it exactly (a validation due at that step, or under way,
+  is not waited for: the resumed fit runs it first). The signal may reach one rank or all of them: the ranks agree
+  on it after every batch, so all stop at the same one. A second Ctrl-C stops at once and keeps the ``last.ckpt``
+  written before;
 - one fit per folder: a lock (:mod:`~lightning_mtp.callbacks.folder_lock`) refuses a second fit into the same folder,
   naming the process that writes there; a new fit (nothing resumed) into a folder that holds an earlier fit's
   ``last.ckpt`` is refused too (its first save would replace it): resume it, or give the new fit another folder;
@@ -92,6 +96,8 @@ class SafeCheckpoint(ModelCheckpoint):
         self._previous_sigint: Any = None
         self._validation_skipped = False  # the stop skipped a validation (due at its step, or under way): saved
         self._validate_first = False  # restored from a checkpoint whose stop skipped one: run it before training
+        self._at_step = True  # the last training batch ended an optimizer step (not inside an accumulation window)
+        self._save_pending = False  # a save fell inside an accumulation window: made at the window's step
 
     # ----------------------------------------------------------------- one fit per folder
     def lock_folder(self) -> None:
@@ -160,6 +166,7 @@ class SafeCheckpoint(ModelCheckpoint):
         if refusal:
             raise ValueError(refusal)  # on every rank alike
         self._last_save_time = time.monotonic()
+        self._at_step, self._save_pending = True, False  # a fit starts, or resumes, between two optimizer steps
         self._install_signal_handlers()  # already done when a sanity check ran
         if self._validate_first:
             # The stop saved at once (a scheduler's grace period may not last a validation) and skipped the
@@ -179,7 +186,9 @@ class SafeCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
+        super().on_train_end(trainer, pl_module)  # Lightning's saves only when nothing was saved before
+        if not self._should_skip_saving_checkpoint(trainer):  # the steps since the last save
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         self._restore_sigint()
 
     @override
@@ -189,19 +198,24 @@ class SafeCheckpoint(ModelCheckpoint):
         due = (self.save_every_minutes is not None
                and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes)
         due = self._agree(trainer, due)  # every rank must stop, and take part in a save, at the same batch
+        self._at_step = _optimizer_stepped(trainer)
+        if not self._at_step:  # inside an accumulation window: a stop or a save waits for its step
+            self._save_pending = self._save_pending or due
+            return
         if self._stop_signal:
             _log_this_step(trainer)  # stopping here skips the loop's logging of the step that was trained and saved
             self._validation_skipped = _validation_due(trainer)
             raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
-        if due and not self._should_skip_saving_checkpoint(trainer):
+        if (due or self._save_pending) and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_pending = False
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
         self._agree(trainer, False)
-        if self._stop_signal:
+        if self._stop_signal and self._at_step:  # (inside a window: after the validation, at the window's step)
             self._validation_skipped = not trainer.sanity_checking
             raise SIGTERMException  # the resumed fit runs this validation first (on_train_start)
 
@@ -217,7 +231,9 @@ class SafeCheckpoint(ModelCheckpoint):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self._should_skip_saving_checkpoint(trainer):
+        if not self._at_step:  # a validation inside an accumulation window: saved at the window's step
+            self._save_pending = True
+        elif not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
@@ -275,8 +291,8 @@ class SafeCheckpoint(ModelCheckpoint):
         self._signal = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
-        print(f"lightning-mtp: {name}: saving last.ckpt after this batch, then stopping{again}", file=sys.stderr,
-              flush=True)
+        print(f"lightning-mtp: {name}: saving last.ckpt after this batch (or optimizer step), then stopping{again}",
+              file=sys.stderr, flush=True)
 
     def _restore_sigint(self) -> None:
         """Ctrl-C means what it meant before the fit again (SIGTERM: see ``_install_signal_handlers``)."""
@@ -350,6 +366,15 @@ def _recover_interrupted_swaps(folder: Path) -> None:
             restore_interrupted_swap(str(folder / entry.name[1 : -len(".previous")]))
         elif entry.name.startswith(".") and entry.name.endswith(".partial"):
             _remove(str(entry))
+
+
+def _optimizer_stepped(trainer: L.Trainer) -> bool:
+    """Whether the training batch that just ended ran an optimizer step (Lightning's own test of it; ``True`` without
+    accumulation): a checkpoint taken inside an accumulation window would miss the gradients accumulated so far."""
+    try:
+        return not trainer.fit_loop.epoch_loop._should_accumulate()
+    except Exception:  # noqa: BLE001 - another Lightning's loop: every batch counts as a step
+        return True
 
 
 def _validation_due(trainer: L.Trainer) -> bool:
