@@ -137,6 +137,24 @@ def test_a_model_folder_missing_a_file_is_refused_in_one_line(tmp_path, capsys, 
     assert re.search(named, line), err
 
 
+def test_a_model_folder_saved_without_its_tokenizer_is_refused_not_given_a_corpus_bpe(tmp_path, capsys):
+    """``model.save_pretrained`` alone writes no tokenizer: the fit trained a BPE of the corpus on embedding rows that
+    mean the original tokenizer's ids, without a word. Giving the tokenizer's folder fine-tunes."""
+    folder = model_folder(tmp_path / "model")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            shutil.move(folder / name, tokenizer / name)
+    corpus = write_jsonl(tmp_path / "code.jsonl", text_records(20))
+    err = cli_refusal(finetune_args(tmp_path / "run", folder, corpus), capsys)
+    assert "holds no tokenizer" in err and "--data.init_args.tokenizer" in err, err
+    main(finetune_args(tmp_path / "given", folder, corpus, "--data.init_args.tokenizer", str(tokenizer)))
+    trained = torch.load(tmp_path / "given" / "ckpt" / "last.ckpt", weights_only=True)["tokenizer"]
+    assert trained["kind"] != "bpe" and trained["vocab_size"] == json.loads(
+        (folder / "config.json").read_text())["vocab_size"]
+
+
 def test_a_heads_only_checkpoint_whose_model_folder_is_gone_says_so(tmp_path, capsys):
     folder = model_folder(tmp_path / "model")
     main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(40)),

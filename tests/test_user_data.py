@@ -384,6 +384,18 @@ def test_a_chat_templates_end_of_turn_is_a_stop_id(tok_dir, tmp_path):
     assert dm.stop_ids == [chatml.eos_id, end]
 
 
+def test_a_tokenizer_json_takes_the_special_tokens_saved_beside_it_and_alone_is_refused(tok_dir, tmp_path):
+    """``--data.tokenizer DIR/tokenizer.json`` (documented) was always refused for want of an EOS, which only the
+    ``tokenizer_config.json`` beside it names; a file alone is refused saying so."""
+    from_file, from_folder = (load_pretrained_tokenizer(str(path)) for path in (tok_dir / "tokenizer.json", tok_dir))
+    assert from_file.fingerprint == from_folder.fingerprint and from_file.eos_id == from_folder.eos_id
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match="alone names no EOS token.*tokenizer_config.json"):
+        load_pretrained_tokenizer(str(alone / "tokenizer.json"))
+
+
 def bos_tokenizer_folder(folder):
     """The test tokenizer, made to add a BOS to every text it encodes with special tokens (as Llama's does)."""
     from tokenizers import Tokenizer, processors

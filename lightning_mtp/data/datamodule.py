@@ -259,6 +259,7 @@ class TextDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             folder, kind = self._model_folder(), self.tokenizer_kind
             if kind is None:
+                self._refuse_folder_without_tokenizer()
                 self.tokenizer_kind = folder or "bpe"
             elif kind in ("bpe", "byte") and folder:
                 raise ValueError(
@@ -288,6 +289,17 @@ class TextDataModule(L.LightningDataModule):
                 f"--data.tokenizer {kind}: the model is loaded from {folder!r}, whose embedding rows mean its own "
                 f"tokenizer's ids, and this tokenizer gives other ids ({problem}): leave --data.tokenizer unset "
                 "(null: the model folder's tokenizer) or give one with the same ids")
+
+    def _refuse_folder_without_tokenizer(self) -> None:
+        """A pretrained model folder without tokenizer files (``model.save_pretrained`` alone) and no tokenizer given:
+        a BPE trained on the corpus would give ids its embedding rows do not mean, and train without a word."""
+        folder = getattr(getattr(getattr(self, "trainer", None), "lightning_module", None), "pretrained", None)
+        if isinstance(folder, str) and Path(folder).is_dir() and self._model_folder() is None:
+            raise ValueError(
+                f"--model.init_args.pretrained {folder!r} holds no tokenizer (no tokenizer.json or "
+                "tokenizer_config.json), and its embedding rows mean the ids of the tokenizer it was trained with: "
+                "give that tokenizer with --data.init_args.tokenizer PATH (a folder its save_pretrained wrote, or the "
+                "model's hub folder), or save it into the model folder (tokenizer.save_pretrained(folder))")
 
     def _model_folder(self) -> Optional[str]:
         """The local folder the trainer's model was loaded from, when it holds a tokenizer."""

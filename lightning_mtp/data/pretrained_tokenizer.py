@@ -76,6 +76,8 @@ def load_pretrained_tokenizer(path: str, **special_tokens: str) -> PretrainedTok
     check_tokenizer_path(path)
     transformers = _transformers()
     target = Path(path).expanduser()
+    if target.name == "tokenizer.json" and (target.parent / "tokenizer_config.json").is_file():
+        target = target.parent  # the same file, with the special tokens and settings saved beside it
     try:
         if target.is_dir():
             hf = transformers.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
@@ -89,6 +91,10 @@ def load_pretrained_tokenizer(path: str, **special_tokens: str) -> PretrainedTok
                          f"a fast one, a tokenizer.json): {reason}") from error
     if special_tokens and target.is_dir():
         hf.add_special_tokens({k: v for k, v in special_tokens.items() if k in SPECIAL_TOKEN_NAMES})
+    if hf.eos_token_id is None and not target.is_dir():
+        raise ValueError(f"--data.tokenizer {path}: a tokenizer.json alone names no EOS token (documents are ended "
+                         "with it and decoding stops at it): give the folder that holds it with the "
+                         "tokenizer_config.json naming eos_token, as tokenizer.save_pretrained(folder) writes them")
     return PretrainedTokenizer(hf, name=target.name if target.is_dir() else target.parent.name or target.stem)
 
 
