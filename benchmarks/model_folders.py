@@ -61,17 +61,49 @@ def tokenizer_folder(folder: Path, vocab_size: int = 320, template: Optional[str
     return folder
 
 
+def sentencepiece_tokenizer_folder(folder: Path, vocab_size: int = 400, template: Optional[str] = CHAT_TEMPLATE
+                                   ) -> Path:
+    """``folder`` with a SentencePiece-style tokenizer as Llama 2 and Mistral ship it: a BPE over ``▁``-marked words
+    whose decoder strips a text's leading space, ``<s>`` added in front of every text, ``</s>`` as EOS, ChatML's
+    tokens added as specials (no byte fallback: the training texts hold every character the tests use)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=["▁"],
+                                  show_progress=False)
+    texts = [r["messages"][1]["content"] for r in chat_records(40)] + [r["text"] for r in text_records(40)]
+    texts += [r["messages"][0]["content"] for r in chat_records(40)] + ["The quick brown fox: café naïve. Yes, Hi"] * 4
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", backend.token_to_id("<s>"))])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                        chat_template=template)
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
 def model_folder(folder: Path, family: str = "llama", vocab_size: int = 320, template: Optional[str] = CHAT_TEMPLATE,
-                 mtp_layers: int = 1) -> Path:
-    """A tiny ``family`` model (llama, or glm4_moe with ``mtp_layers`` native MTP layers) and its tokenizer, saved
-    in ``folder`` as ``save_pretrained`` does."""
+                 mtp_layers: int = 1, sentencepiece: bool = False) -> Path:
+    """A tiny ``family`` model (llama, or glm4_moe with ``mtp_layers`` native MTP layers) and its tokenizer (the
+    byte-level BPE, or with ``sentencepiece`` :func:`sentencepiece_tokenizer_folder`'s), saved in ``folder`` as
+    ``save_pretrained`` does."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer_folder(folder, vocab_size, template)
+    if sentencepiece:
+        sentencepiece_tokenizer_folder(folder, vocab_size, template)
+        special = dict(eos_token_id=2, pad_token_id=None, bos_token_id=1)  # </s>, <s>
+    else:
+        tokenizer_folder(folder, vocab_size, template)
+        special = dict(eos_token_id=0, pad_token_id=3, bos_token_id=None)
     settings = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                    tie_word_embeddings=False, eos_token_id=0, pad_token_id=3, bos_token_id=None)
+                    tie_word_embeddings=False, **special)
     if family == "glm4_moe":
         settings.update(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         first_k_dense_replace=1, num_nextn_predict_layers=mtp_layers, head_dim=8,

@@ -64,6 +64,31 @@ def test_chat_finetune_then_predict_from_the_checkpoint_alone(tmp_path):
                                                                           tokenizer.end_of_turn_id]  # what was used
 
 
+def test_a_sentencepiece_chat_model_stops_at_its_end_of_turn_and_completions_keep_their_space(tmp_path):
+    """Llama-2 / Mistral style: ``▁``-marked words, ``<s>`` BOS, ``</s>`` EOS, ChatML's ``<|im_end|>`` ending turns.
+    The end of turn was not found (the answer encoded alone starts with ``▁``, inside the chat it does not), so
+    predict did not stop there; and the completion decoded alone lost its first space ("brown" + "café")."""
+    from lightning_mtp.data import tokenizer_from_spec
+
+    folder = model_folder(tmp_path / "model", vocab_size=400, sentencepiece=True)
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "chat.jsonl", chat_records(40))))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    tokenizer = tokenizer_from_spec(torch.load(ckpt, weights_only=True)["tokenizer"])
+    assert tokenizer.stop_ids() == [tokenizer.eos_id, tokenizer.hf.convert_tokens_to_ids("<|im_end|>")]
+    # a text fine-tune that learns to go on with a word: its completion starts with '▁fox'
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": "The quick brown fox: café naïve."}] * 64)
+    main(finetune_args(tmp_path / "text", folder, texts, "--trainer.max_steps", "30",
+                       "--model.init_args.learning_rate", "3e-2"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown\n", encoding="utf-8")
+    rows = predict(tmp_path / "text", tmp_path / "text" / "ckpt" / "last.ckpt", prompts,
+                   "--model.init_args.generation.max_new_tokens", "4")
+    assert tokenizer.hf.convert_ids_to_tokens(rows[0]["tokens"][0]).startswith("▁")  # a space before the word
+    for row in rows:  # the completion is what the tokens add to the prompt's text (an independent decode)
+        ids = tokenizer.encode_prompt(row["prompt"])
+        assert tokenizer.decode(ids) + row["completion"] == tokenizer.decode(ids + row["tokens"]), row
+
+
 def test_text_finetune_packs_documents_and_resumes_with_the_same_command(tmp_path):
     folder = model_folder(tmp_path / "model")
     args = finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(60)))

@@ -396,6 +396,28 @@ def test_a_tokenizer_json_takes_the_special_tokens_saved_beside_it_and_alone_is_
         load_pretrained_tokenizer(str(alone / "tokenizer.json"))
 
 
+def test_a_sentencepiece_continuation_keeps_the_space_before_its_first_word(tmp_path):
+    """``decode`` of new ids alone strips a SentencePiece text's leading space; a completion is decoded after its
+    prompt (what ``predict`` writes) and reads as the two decoded together."""
+    from model_folders import sentencepiece_tokenizer_folder
+
+    tokenizer = load_pretrained_tokenizer(str(sentencepiece_tokenizer_folder(tmp_path / "sp")))
+    prompt, new = tokenizer.encode_prompt("The quick brown"), tokenizer.encode("fox: café")  # '▁fox', ...
+    assert tokenizer.decode(prompt + new) == "The quick brown fox: café"
+    assert tokenizer.decode(new) == "fox: café"  # the space is gone when decoded alone
+    assert tokenizer.decode_continuation(prompt, new) == " fox: café"
+
+
+def test_a_sentencepiece_chat_templates_end_of_turn_is_found(tmp_path):
+    """The answer encoded alone ('▁Ye', 's') differs from the rendered one after a newline ('Ye', 's'): matching
+    those ids found no end of turn, so decoding did not stop at ``<|im_end|>``."""
+    from model_folders import sentencepiece_tokenizer_folder
+
+    tokenizer = load_pretrained_tokenizer(str(sentencepiece_tokenizer_folder(tmp_path / "sp")))
+    end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.end_of_turn_id == end and tokenizer.stop_ids() == [tokenizer.eos_id, end]
+
+
 def bos_tokenizer_folder(folder):
     """The test tokenizer, made to add a BOS to every text it encodes with special tokens (as Llama's does)."""
     from tokenizers import Tokenizer, processors

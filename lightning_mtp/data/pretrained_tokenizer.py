@@ -231,11 +231,14 @@ class PretrainedTokenizer(Tokenizer):
             full = self.render_chat([*question, {"role": "assistant", "content": "Yes"}])[0]
         except Exception:  # noqa: BLE001 - a template that needs other roles or fields: no end of turn known
             return None
-        answer = self.hf.encode("Yes", add_special_tokens=False)
         rest = full[len(prompt):] if full[:len(prompt)] == prompt else []
-        if rest[:len(answer)] != answer or len(rest) <= len(answer):
+        # the answer's tokens as the template renders them: "Yes" encoded alone may differ (SentencePiece gives
+        # '▁Yes' to a word that starts a text, 'Yes' after a newline), so find where the decoded rest first holds it
+        answered = next((j for j in range(1, len(rest) + 1)
+                         if "Yes" in self.hf.decode(rest[:j], skip_special_tokens=False)), None)
+        if answered is None or answered >= len(rest):
             return None
-        token = rest[len(answer)]
+        token = rest[answered]
         special = set(self.hf.all_special_ids) | set(getattr(self.hf, "added_tokens_decoder", {}) or {})
         return int(token) if token in special and token != self.eos_id else None
 

@@ -82,6 +82,19 @@ class Tokenizer(ABC):
         """Encode many texts at once (parallel where the implementation allows)."""
         return [self.encode(t) for t in texts]
 
+    def decode_continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
+        """The text ``new`` ids add after ``prompt``: decoded with the prompt, which is then cut off, as
+        ``transformers``' text-generation pipeline does. Decoded alone, a SentencePiece tokenizer strips the first
+        word's space ("brown" + "café" read "browncafé").
+
+        Example::
+
+            >>> ByteTokenizer().decode_continuation(list(b"The quick"), list(b" brown"))
+            ' brown'
+        """
+        before, whole = self.decode(prompt), self.decode([*prompt, *new])
+        return whole[len(before):] if whole.startswith(before) else self.decode(new)
+
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids as a document starts in training (a pretrained tokenizer adds its model's BOS)."""
         return self.encode(text)

@@ -70,5 +70,9 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
                    generator=_generator(module, seed, device), **kwargs)
     tokens = [row[:count].tolist() for row, count in zip(out.new_tokens.cpu(), out.num_new_tokens.tolist())]
     tokenizer = getattr(datamodule, "tokenizer", None) if datamodule is not None else None
-    texts = [tokenizer.decode(row) for row in tokens] if tokenizer is not None else None
+    texts = None
+    if tokenizer is not None:  # each row's new text as it reads after its prompt (the prompt's padding left out)
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool().cpu()
+        prompts = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), mask)]
+        texts = [tokenizer.decode_continuation(prompt, row) for prompt, row in zip(prompts, tokens)]
     return {"tokens": tokens, "texts": texts, "prompt_text": batch.get("prompt_text"), "stats": out.stats}
