@@ -373,8 +373,8 @@ def split_files(
 
 def split_point(data: bytes, val_fraction: float) -> int:
     """Byte offset where the held-out tail of a single document starts: about ``val_fraction`` of the bytes are
-    held out, starting at a line start when one is near, else at a UTF-8 character boundary. Used when the corpus is
-    a single file (there is nothing to split by file).
+    held out, starting at a line start when one is near (see ``_line_snap``), else at a UTF-8 character boundary.
+    Both parts get at least one byte. Used when the corpus is a single file (there is nothing to split by file).
 
     Example::
 
@@ -386,12 +386,26 @@ def split_point(data: bytes, val_fraction: float) -> int:
     if len(data) < 2:
         raise ValueError(f"{CORPUS_FLAG}: a single file of {len(data)} byte(s) is too short to split in two")
     cut = min(max(round(len(data) * (1.0 - val_fraction)), 1), len(data) - 1)
-    newline = data.rfind(b"\n", 0, cut)
-    if newline >= 0 and cut - newline <= max(256, len(data) // 100):
-        return newline + 1
+    line_start = data.rfind(b"\n", 0, cut) + 1
+    if line_start > 0 and cut - line_start <= _line_snap(len(data), cut):
+        return line_start
     while cut > 1 and (data[cut] & 0xC0) == 0x80:  # do not start inside a multi-byte character
         cut -= 1
     return cut
+
+
+def _line_snap(size: int, cut: int) -> int:
+    """How many bytes the cut at ``cut`` of a ``size``-byte file may move back to start the held-out part at a line:
+    under 256 bytes or 1% of the file, and at most half the smaller part. The half keeps the held-out share within
+    1.5 ``val_fraction`` and the training part at least half its size: a small file's lines are long next to its
+    parts (a 236-byte file of two lines would otherwise hold out its whole last line, 66%, at any fraction).
+
+    Example::
+
+        >>> _line_snap(100_000, 95_000), _line_snap(236, 224)
+        (999, 6)
+    """
+    return min(max(256, size // 100) - 1, min(cut, size - cut) // 2)
 
 
 def plan_splits(

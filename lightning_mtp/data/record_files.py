@@ -1,7 +1,8 @@
 """Finding and reading the record files of a corpus with ``datasets``: which files are records (and which corpora are
 read raw), each file type read into Arrow tables, files of one type with other fields read apart, and the parts
 joined with one type per field. Files that cannot be read are refused naming the file and the reason (not UTF-8,
-empty, the first line that is not JSON, a ``save_to_disk`` folder).
+empty, the first line that is not JSON, a ``save_to_disk`` folder), each file on its own: an empty or non-UTF-8 file
+is refused beside others as it is alone.
 
 Example::
 
@@ -16,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import codecs
+import csv
 import glob
 import hashlib
 import json
@@ -30,6 +32,13 @@ from lightning_mtp.data.corpus import CORPUS_FLAG, is_glob
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 """File types read as records (``datasets`` builders: json, parquet, csv, text by document)."""
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+_BUILDER_OPTIONS: dict[str, dict[str, Any]] = {
+    ".txt": {"sample_by": "document"},
+    # pandas reads "NA", "None", "null", "nan", "N/A", "#N/A"... as missing by default, which would drop real texts
+    # as empty records: only an empty cell is missing (null, as a Parquet file's empty value), any other is its text
+    ".csv": {"keep_default_na": False, "na_values": [""]},
+}
+"""What each builder is given beyond the files."""
 
 
 def record_files(corpus: Optional[str]) -> Optional[list[Path]]:
@@ -93,8 +102,9 @@ def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart
     for suffix in sorted({p.suffix.lower() for p in files}):
         chosen = [str(p) for p in files if p.suffix.lower() == suffix]
         json_part = suffix in (".json", ".jsonl")
-        if suffix != ".parquet" and suffix != ".txt":
+        if suffix != ".parquet":
             _refuse_non_utf8(chosen, cache_dir)
+        _refuse_empty(suffix, chosen)
         try:
             parts.append(RecordPart(_load(suffix, chosen, cache_dir), chosen, json_part))
             continue
@@ -110,14 +120,69 @@ def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart
 
 
 def _load(suffix: str, files: list[str], cache_dir: Path) -> Any:
-    options = {"sample_by": "document", "encoding_errors": "replace"} if suffix == ".txt" else {}
     return datasets_library().load_dataset(_BUILDERS[suffix], data_files=files, split="train",
-                                    cache_dir=str(cache_dir / "datasets"), **options)
+                                           cache_dir=str(cache_dir / "datasets"), **_BUILDER_OPTIONS.get(suffix, {}))
 
 
 def _cannot_read(suffix: str, files: list[str], error: BaseException) -> ValueError:
-    return ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {files[:3]} as records: "
-                      f"{_unreadable(files, error)[:300]}")
+    return _refusal(suffix, files, _unreadable(files, error))
+
+
+def _refusal(suffix: str, files: list[str], reason: str) -> ValueError:
+    return ValueError(f"{CORPUS_FLAG}: cannot read the {suffix} files {files[:3]} as records: {reason[:300]}")
+
+
+def _refuse_empty(suffix: str, files: Sequence[str]) -> None:
+    """Refuse a file of ``files`` that holds no records, naming it (the message a file alone gets, which ``datasets``
+    cannot read): read beside other files it would add nothing, and a file left empty by mistake (an export that
+    failed, a path mixed up) would pass unnoticed."""
+    for name in files:
+        if _holds_no_records(Path(name)):
+            raise _refusal(suffix, [name], _empty_reason(name))
+
+
+def _empty_reason(name: str) -> str:
+    return f"{name} is empty: it holds no records"
+
+
+def _holds_no_records(path: Path) -> bool:
+    """Whether ``path`` holds no record: nothing but whitespace, a Parquet file of 0 rows, a CSV file of a header
+    alone or a JSON file of an empty array (each told from the file's start or its Parquet footer, without reading
+    it whole). A file that is not what its suffix says is not told empty: reading it names what is wrong."""
+    if _is_blank(path):
+        return True
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_rows(path) == 0
+    if suffix == ".csv":
+        return _csv_header_alone(path)
+    if suffix == ".json":
+        with open(path, "rb") as fh:
+            start = fh.read(1 << 12).removeprefix(codecs.BOM_UTF8).lstrip()
+        return start.startswith(b"[") and start[1:].lstrip().startswith(b"]")
+    return False
+
+
+def _csv_header_alone(path: Path) -> bool:
+    """Whether a CSV file holds its header row and nothing after it but blank lines (which pandas skips). The rows
+    after the header are not parsed (a cell may be longer than the ``csv`` module takes): a line that is not blank
+    is a record."""
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as fh:
+        try:
+            header = next(csv.reader(fh), None)
+        except csv.Error:  # a header the csv module cannot take: reading it with datasets names the reason
+            return False
+        return header is not None and not any(line.strip() for line in fh)
+
+
+def _parquet_rows(path: Path) -> Optional[int]:
+    """The number of rows a Parquet file's footer gives; ``None`` when it cannot be read as Parquet."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception:  # noqa: BLE001 - not Parquet: reading it with datasets names the reason
+        return None
 
 
 def join_record_parts(parts: Sequence[RecordPart]) -> Any:
@@ -169,9 +234,10 @@ def _type_name(feature: Any) -> str:
 
 
 def _refuse_non_utf8(files: Sequence[str], cache_dir: Path) -> None:
-    """Refuse a JSON or CSV file that is not UTF-8 (Arrow keeps a JSON file's bytes, and decoding them fails while
-    tokenizing), naming the file, the line and the byte. A file found UTF-8 is marked under ``<cache_dir>/utf8``
-    (by path, size and modification time), so a second fit does not read it again."""
+    """Refuse a JSON, CSV or text file that is not UTF-8 (Arrow keeps a JSON file's bytes, and decoding them fails
+    while tokenizing; a text file would be read with U+FFFD in place of its bytes, and trained on), naming the file,
+    the line and the byte: the same for every record file of a corpus. A file found UTF-8 is marked under
+    ``<cache_dir>/utf8`` (by path, size and modification time), so a second fit does not read it again."""
     for name in files:
         stat = Path(name).stat()
         key = hashlib.sha1(f"{Path(name).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
@@ -225,8 +291,8 @@ def _unreadable(files: Sequence[str], error: BaseException) -> str:
     """Why ``datasets`` could not read ``files``: an empty file, the first JSON line that does not parse
     (``file: line N``), else the innermost error of the chain (``datasets`` wraps the reader's own message)."""
     for name in files:
-        if _is_blank(Path(name)):
-            return f"{name} is empty: it holds no records"
+        if _holds_no_records(Path(name)):
+            return _empty_reason(name)
         bad = _first_non_utf8(Path(name)) if Path(name).suffix.lower() != ".parquet" else None
         if bad is not None:
             return (f"{name} is not UTF-8 text: line {bad[0]} (byte {bad[1]}) holds the byte 0x{bad[2]:02x}; convert "

@@ -53,9 +53,10 @@ from lightning_mtp.data.record_rows import PackedRows, PadCollator, RecordRows, 
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 
 TRAIN_ON = ("all", "assistant")
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 """Bump when the split, tokenization or packing changes, so old caches are not reused (2: the split hashes each
-record's index with the seed, independent of the number of records; caches written privately, then renamed)."""
+record's index with the seed, independent of the number of records; caches written privately, then renamed; 3: CSV
+cells such as "NA" or "null" are their text, no longer missing)."""
 
 
 @dataclass(frozen=True)
