@@ -112,11 +112,12 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     refuse_other_model(module, checkpoint)
     own = {k: shape for k, shape in state_shapes(module).items() if _is_mtp_key(k)}  # ZeRO-3: real shapes
     saved = {k for k in state if _is_mtp_key(k)}
-    report.new = sorted(set(own) - saved)
-    report.dropped = sorted(saved - set(own))
     arch = module.mtp_config.architecture
     arch_changed = report.checkpoint_architecture not in (None, arch)
-    for key in sorted(saved & set(own)):
+    # heads of another architecture read other inputs: none of their weights is loaded, even where the names agree
+    report.new = sorted(set(own) if arch_changed else set(own) - saved)
+    report.dropped = sorted(saved if arch_changed else saved - set(own))
+    for key in sorted(set() if arch_changed else saved & set(own)):
         if tuple(state[key].shape) != own[key]:
             raise ValueError(
                 f"MTP weight {key!r} has shape {tuple(state[key].shape)} in the checkpoint but {own[key]} "
@@ -125,10 +126,14 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     if report.clean and not arch_changed:
         return report
     if resuming and "optimizer_states" in checkpoint:
+        differs = [f"--model.mtp.{name} {value}" for name, value, mine in (
+            ("depth", report.checkpoint_depth, module.mtp_config.depth),
+            ("architecture", report.checkpoint_architecture, arch)) if value is not None and value != mine]
         raise ValueError(
             f"cannot resume this fit: {report.summary()}, but the module has depth {module.mtp_config.depth} "
             f"({arch}); the optimizer state cannot match. Start a new fit from the checkpoint's weights "
-            "(--model.init_from PATH) instead of --ckpt_path, or resume with the checkpoint's --model.mtp.depth."
+            "(--model.init_from PATH) instead of --ckpt_path, or resume with the checkpoint's "
+            f"{' and '.join(differs) or 'MTP settings'}."
         )
     tensors = {**module.state_dict(), **dict(module.named_parameters(remove_duplicate=False))}
     for key in report.new:  # the module's own (fresh) weights; ZeRO-3 partitions gathered (every rank calls this)
@@ -137,7 +142,8 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     for key in report.dropped:
         del state[key]
     if arch_changed:
-        rank_zero_warn(f"checkpoint MTP architecture {report.checkpoint_architecture!r} differs from {arch!r}")
+        rank_zero_warn(f"checkpoint MTP architecture {report.checkpoint_architecture!r} differs from {arch!r}: none of "
+                       "its MTP weights is loaded, the heads start fresh")
     rank_zero_warn(f"Loading MTP weights into {type(module).__name__} (depth {module.mtp_config.depth}): "
                    f"{report.summary()}")
     return report
@@ -180,9 +186,23 @@ def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) 
         return
     module.mtp_draft_temperatures = list(meta.get("draft_temperatures", module.mtp_draft_temperatures))
     if schedule:
+        refuse_other_weights_config(module, meta.get("config") or {})
         module.mtp_loss_weight = meta.get("loss_weight", module.mtp_loss_weight)
         module.mtp_depth_weights = list(meta.get("depth_weights", module.mtp_depth_weights))
         module.mtp_active_depth = meta.get("active_depth", module.mtp_active_depth)
+
+
+def refuse_other_weights_config(module: Any, saved: dict) -> None:
+    """Raise ``ValueError`` when a resumed module's ``loss_weight`` or ``depth_weights`` differ from those of the fit
+    it resumes (``saved``: the checkpoint's ``MTPConfig``): the resume restores the fit's λ and per-depth weights
+    (their schedule's state), so a new value would be ignored without a word. The CLI refuses the flags earlier."""
+    for name in ("loss_weight", "depth_weights"):
+        mine = getattr(module.mtp_config, name)
+        if name in saved and saved[name] != mine:
+            raise ValueError(
+                f"cannot resume this fit with MTPConfig.{name} = {mine!r}: the checkpoint's fit has {saved[name]!r}, "
+                f"and a resumed fit continues its λ and per-depth weights. Resume with the checkpoint's value, or "
+                "start a new fit from its weights (init_from, --model.init_args.init_from PATH) to change it")
 
 
 DEEPSPEED_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")

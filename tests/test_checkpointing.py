@@ -132,3 +132,81 @@ def test_unreadable_checkpoints_name_the_path_and_flag(tmp_path):
             read_checkpoint(path, "--model.init_args.init_from")
         assert "--model.init_args.init_from" in str(info.value) and str(path) in str(info.value)
         assert "weights_only=False" not in str(info.value) and info.value.__cause__ is None
+
+
+def resume(tmp_path, path, model, callbacks=(), max_steps=4):
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (8, 12)), batch_size=4)
+    trainer = L.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu", callbacks=list(callbacks))
+    trainer.fit(model, data, ckpt_path=path)
+    return trainer
+
+
+def test_resuming_with_another_loss_weight_or_depth_weights_is_refused_not_ignored(tmp_path):
+    """The resume restores the fit's λ and w: a module built with other ones trained with the checkpoint's, silently
+    (the CLI refused the flags; Python did not)."""
+    _, path = fit_and_save(tmp_path, depth=2)
+    for change in (dict(loss_weight=0.9), dict(depth_weights=[1.0, 0.25])):
+        model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2, **change), warmup_steps=0)
+        with pytest.raises(ValueError, match=f"MTPConfig.{next(iter(change))}.*init_from"):
+            resume(tmp_path, path, model)
+    resume(tmp_path, path, CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0))  # the same: resumes
+
+
+def test_resuming_a_warmup_without_its_callback_trains_every_depth_with_a_warning(tmp_path):
+    """Saved at active depth 1 of 2 under a warmup, resumed without it: depth 1 stayed active for the rest of the fit
+    (nothing raises it any more)."""
+    from lightning_mtp.callbacks import MTPDepthWarmup
+
+    _, path = fit_and_save(tmp_path, depth=2)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["mtp"]["active_depth"] = 1
+    torch.save(checkpoint, path)
+    model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0)
+    with pytest.warns(UserWarning, match="resumed at MTP depth 1 of 2.*all 2 depths train"):
+        resume(tmp_path, path, model)
+    assert model.mtp_active_depth == 2
+    warmed = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0)
+    resume(tmp_path, path, warmed, [MTPDepthWarmup(schedule={0: 1, 3: 2})], max_steps=3)
+    assert warmed.mtp_active_depth == 1  # the warmup continues: step 2 is still at depth 1
+
+
+def test_heads_of_another_architecture_are_not_loaded_where_their_names_agree(tmp_path):
+    """Cascaded modules' block weights share names with parallel heads' but read other inputs: loaded into them,
+    the report said only eh_proj / norms were dropped."""
+    _, path = fit_and_save(tmp_path, depth=2)
+    fresh = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2, architecture="parallel"))
+    fresh.configure_model()
+    before = {k: v.clone() for k, v in fresh.state_dict().items() if k.startswith("mtp_")}
+    with pytest.warns(UserWarning, match="none of its MTP weights is loaded"):
+        report = load_weights(fresh, str(path))
+    assert set(report.new) == set(before) and all(k.startswith("mtp_") for k in report.dropped)
+    for key, value in before.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert torch.equal(fresh.embed.weight, saved["embed.weight"])  # the trunk still loads
+
+
+def test_a_weight_schedule_resumed_with_a_moved_milestone_keeps_counting_the_fits_tokens(tmp_path):
+    """Its state is stored under its arguments: with a milestone moved, the tokens seen restarted at 0 (λ held 0.3
+    past the new milestone, the distant ramp started over)."""
+    from lightning_mtp.callbacks import MTPWeightSchedule
+
+    def schedule(milestone):
+        return MTPWeightSchedule(schedule="step", milestones={0: 0.3, milestone: 0.1}, unit="tokens")
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0)
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (8, 12)), batch_size=4)
+    first = schedule(1000)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu", callbacks=[first])
+    trainer.fit(model, data)
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    assert first.tokens_seen == 96  # 2 batches of 4 x 12
+
+    moved = schedule(50)  # passed (96 tokens): λ 0.1 from the first resumed step
+    resumed = CausalLM(ModelConfig(**MODEL), MTPConfig(depth=2), warmup_steps=0)
+    with pytest.warns(UserWarning, match="other arguments than the checkpoint's fit.*96 tokens"):
+        resume(tmp_path, tmp_path / "model.ckpt", resumed, [moved], max_steps=3)
+    assert moved.tokens_seen == 96 + 48 and moved.current_loss_weight == 0.1

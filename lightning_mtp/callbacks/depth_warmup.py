@@ -48,6 +48,9 @@ class MTPDepthWarmup(MTPCallback):
         trainer = L.Trainer(callbacks=[MTPDepthWarmup(start_depth=1, until=2000)])
     """
 
+    sets_active_depth = True
+    """The module's active depth is this callback's (a fit resumed without one trains every depth)."""
+
     def __init__(
         self,
         schedule: Optional[dict[int, int]] = None,

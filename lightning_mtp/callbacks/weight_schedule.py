@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mtp.callbacks._base import (
@@ -174,3 +175,18 @@ class MTPWeightSchedule(MTPCallback):
         self.tokens_seen = state_dict.get("tokens_seen", 0)
         self.tokens_at_step = state_dict.get("tokens_at_step", 0)
         self.last_step = state_dict.get("last_step", -1)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A fit resumed with other arguments (a milestone moved): Lightning restores a callback's state only under
+        the same arguments (``state_key``), and the tokens the fit has seen would restart at 0, though they count the
+        fit, not the schedule. Take them from the checkpoint's own ``MTPWeightSchedule``."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return  # Lightning loads it
+        saved = [key for key in states if key.startswith(f"{type(self).__qualname__}{{")]
+        if len(saved) == 1:
+            self.load_state_dict(states[saved[0]])
+            rank_zero_warn(f"MTPWeightSchedule: resumed with other arguments than the checkpoint's fit ({saved[0]}); "
+                           f"its position ({self.tokens_seen} tokens, step {self.last_step}) continues, and λ and the "
+                           "per-depth weights follow the new arguments from there")

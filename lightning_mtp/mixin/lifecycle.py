@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_mtp import checkpointing
 from lightning_mtp.finite import check_finite_state_dict
 from lightning_mtp.fsdp_settings import validate_mtp_under_fsdp
@@ -111,6 +113,17 @@ class MTPLifecycle:
         self.mtp_check_sharded()
         log_custom_scalars_layout(self.loggers, self.mtp_config.depth)
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        depth, active = self.mtp_config.depth, self.mtp_active_depth
+        warmup = any(getattr(callback, "sets_active_depth", False) for callback in self.trainer.callbacks)
+        if getattr(self, "_mtp_active_depth_restored", False) and active < depth and not warmup:
+            # the depth a warmup had reached, restored without the warmup that raises it: frozen for the whole fit
+            rank_zero_warn(f"resumed at MTP depth {active} of {depth}, where the checkpoint's fit was warming the "
+                           f"depths up, without an MTPDepthWarmup: all {depth} depths train from here (add the "
+                           "warmup with its schedule to continue it)")
+            self.mtp_active_depth = depth
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         # A diverged fit stops before its weights turn non-finite (MTPDivergenceGuard); this catches any other way.
@@ -126,5 +139,6 @@ class MTPLifecycle:
         self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
         # Only a resumed fit continues the old schedule; loading for predict/validate or into a new fit does not.
         checkpointing.restore_runtime_state(self, checkpoint, schedule=fitting)
+        self._mtp_active_depth_restored = fitting
         if checkpoint.get(checkpointing.TOKENIZER_KEY):
             self.bind_mtp_tokenizer(checkpoint[checkpointing.TOKENIZER_KEY], "the checkpoint")
