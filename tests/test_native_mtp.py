@@ -210,8 +210,13 @@ def test_layout_default_is_decided_by_the_host_family():
     explicit = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(layout="lightning"))
     explicit.configure_model()
     assert isinstance(explicit.mtp_modules[0], CascadedMTPModule)
-    parallel = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(architecture="parallel"))
-    assert parallel.mtp_config.layout == "lightning"  # a setting the native layout cannot have keeps ours
+    # a setting the native layout cannot have is refused (it took fresh lightning heads, leaving a folder's trained
+    # MTP layers unused without a word); asked for, the lightning layout takes it
+    with pytest.raises(ValueError, match=r"--model.mtp.layout.*native MTP layers.*--model.mtp.layout lightning"):
+        HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(architecture="parallel"))
+    parallel = HFCausalLM("glm4_moe", family_config("glm4_moe", 1),
+                          mtp=MTPConfig(architecture="parallel", layout="lightning"))
+    assert parallel.mtp_config.layout == "lightning"
     llama = HFCausalLM("llama", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4), mtp=MTPConfig())
     assert llama.mtp_config.layout == "lightning"
@@ -538,8 +543,9 @@ def test_export_refuses_what_transformers_cannot_load(tmp_path):
     lightning = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(layout="lightning"))
     with pytest.raises(ValueError, match="layout='lightning'.*--model.mtp.layout native"):
         lightning.save_pretrained(str(tmp_path))
-    parallel = HFCausalLM("glm4_moe", family_config("glm4_moe", 1), mtp=MTPConfig(architecture="parallel"))
-    with pytest.raises(ValueError, match="architecture='parallel'"):
+    parallel = HFCausalLM("glm4_moe", family_config("glm4_moe", 1),
+                          mtp=MTPConfig(architecture="parallel", layout="lightning"))
+    with pytest.raises(ValueError, match="layout='lightning'"):
         parallel.save_pretrained(str(tmp_path))
     llama = HFCausalLM("llama", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4))

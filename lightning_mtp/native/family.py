@@ -110,8 +110,8 @@ def checkpoint_prefix(trunk_layers: int, index: int) -> str:
 def resolve_layout(mtp: Any, trunk: nn.Module) -> Any:
     """``MTPConfig`` with ``layout`` decided for a ``transformers`` trunk: an explicit layout stays (``"native"`` is
     checked against the family, :func:`native_support_problem`); unset, a family with native MTP layers we can run
-    gets ``"native"`` unless a setting the native layout cannot have was given (``parallel``, ``num_heads``, ...),
-    everything else ``"lightning"``."""
+    gets ``"native"`` (a setting the native layout cannot have, ``parallel`` or ``num_heads``, is refused: fresh
+    lightning heads would leave the folder's trained layers unused without a word), everything else ``"lightning"``."""
     import dataclasses
 
     problem = native_support_problem(trunk)
@@ -127,6 +127,8 @@ def resolve_layout(mtp: Any, trunk: nn.Module) -> Any:
     if native:
         try:
             return dataclasses.replace(mtp, layout="native")  # __post_init__ runs check_native
-        except ValueError:
-            pass
+        except ValueError as error:  # a family whose folder holds MTP layers: never dropped for fresh heads unasked
+            raise ValueError(f"{error} ({trunk.config.model_type!r} has native MTP layers, so the layout is 'native' "
+                             "unless --model.mtp.layout lightning asks for lightning-mtp's heads, which start fresh "
+                             "and leave the folder's MTP layers unused)") from None
     return dataclasses.replace(mtp, layout="lightning")
