@@ -70,6 +70,39 @@ def test_a_non_finite_gradient_with_a_finite_loss_stops_the_fit_before_the_step(
         torch.testing.assert_close(value, before[name], atol=0, rtol=0, msg=name)
 
 
+class NaNUpdate(L.Callback):
+    """After optimizer step ``at``, a weight is NaN: an update that overflowed from a finite loss and gradients."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.layers[0].mlp.down.weight[0, 0] = float("nan")
+
+
+def test_an_update_that_writes_nan_stops_the_fit_as_diverged_and_says_the_weights_are_not_finite(tmp_path):
+    """The step's loss and gradients were finite, so the guard let it through: the next step's report said "the step
+    was not applied" over NaN weights, and a save right after was refused as bad input (exit 2)."""
+    from lightning_mtp.callbacks import SafeCheckpoint
+
+    data = torch.utils.data.DataLoader(torch.randint(0, 61, (16, 12)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, callbacks=[NaNUpdate(at=2)], default_root_dir=tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"at global step 2: .*already NaN or infinite \(layers\.0\.mlp"):
+        trainer.fit(tiny_model(depth=2), data)
+
+    checkpoints = SafeCheckpoint(dirpath=str(tmp_path / "ckpt"), save_every_minutes=None)
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False,
+                        val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
+                        callbacks=[NaNUpdate(at=2), checkpoints], default_root_dir=tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"by global step 2: refusing to write a checkpoint: .*NaN"):
+        trainer.fit(tiny_model(depth=2), data, data)
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 1 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
+
+
 def test_non_finite_weights_are_never_saved_nor_decoded(tmp_path):
     model = tiny_model(depth=2)
     with torch.no_grad():

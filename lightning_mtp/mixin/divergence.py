@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_mtp.finite import TrainingDiverged, divergence_message
+from lightning_mtp.finite import TrainingDiverged, describe_names, divergence_message, nonfinite_tensors
 from lightning_mtp.outputs import MTPLossOutput
 from lightning_mtp.sharded import is_dtensor
 
@@ -79,8 +79,12 @@ class MTPDivergenceGuard:
             tries.append("gradient clipping (--trainer.gradient_clip_val 1.0)")
         if str(self.trainer.precision) not in ("32-true", "32", "64-true", "64"):
             tries.append("full precision (--trainer.precision 32-true)")
+        bad = nonfinite_tensors({name: p.to_local() if is_dtensor(p) else p for name, p in self.named_parameters()})
+        applied = ("The step was not applied and nothing was saved from it" if not bad else
+                   f"The weights were already NaN or infinite ({describe_names(bad)}): the update of the step before "
+                   "made them so, its loss and gradients finite; nothing was saved from it")
         advice = (
-            f"The step was not applied and nothing was saved from it; {kept}. Try {', '.join(tries[:-1])} or "
+            f"{applied}; {kept}. Try {', '.join(tries[:-1])} or "
             f"{tries[-1]}"
             + (f", starting from the kept checkpoint's weights with --model.init_args.init_from {checkpoint}"
                if checkpoint else "")

@@ -8,7 +8,7 @@ from typing import Optional
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mtp import checkpointing
-from lightning_mtp.finite import check_finite_state_dict
+from lightning_mtp.finite import TrainingDiverged, check_finite_state_dict
 from lightning_mtp.fsdp_settings import validate_mtp_under_fsdp
 from lightning_mtp.metrics import log_custom_scalars_layout
 from lightning_mtp.zero_settings import validate_mtp_under_zero
@@ -126,8 +126,15 @@ class MTPLifecycle:
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        # A diverged fit stops before its weights turn non-finite (MTPDivergenceGuard); this catches any other way.
-        check_finite_state_dict(checkpoint.get("state_dict") or {}, "refusing to write a checkpoint")
+        # A diverged fit stops before its weights turn non-finite (MTPDivergenceGuard); this catches any other way,
+        # an optimizer step that wrote NaN from finite gradients (fp16 overflow, a huge learning rate) among them
+        try:
+            check_finite_state_dict(checkpoint.get("state_dict") or {}, "refusing to write a checkpoint")
+        except ValueError as error:
+            if self._trainer is not None and self.trainer.state.fn == "fit":  # (its validations' saves included)
+                step = self.trainer.global_step
+                raise TrainingDiverged(f"training diverged by global step {step}: {error}") from None
+            raise
         checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
         if self.mtp_tokenizer is not None:
             checkpoint[checkpointing.TOKENIZER_KEY] = self.mtp_tokenizer
