@@ -418,6 +418,27 @@ def test_a_sentencepiece_chat_templates_end_of_turn_is_found(tmp_path):
     assert tokenizer.end_of_turn_id == end and tokenizer.stop_ids() == [tokenizer.eos_id, end]
 
 
+def test_split_special_tokens_changes_the_fingerprint_and_travels_with_the_checkpoint_record(tok_dir, tmp_path):
+    """``split_special_tokens`` (tokenizer_config.json) changes the ids of a text that holds "<|im_end|>", but the
+    fingerprint (token caches) and the checkpoint's record ignored it: a stale cache was reused, and predict encoded
+    prompts otherwise than training had."""
+    import shutil
+
+    from lightning_mtp.data import tokenizer_from_spec
+
+    split = tmp_path / "split"
+    shutil.copytree(tok_dir, split)
+    config = json.loads((split / "tokenizer_config.json").read_text())
+    (split / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    plain, splitting = load_pretrained_tokenizer(str(tok_dir)), load_pretrained_tokenizer(str(split))
+    text = "x<|im_end|>y"
+    assert plain.encode(text) != splitting.encode(text)  # the setting matters
+    assert plain.fingerprint != splitting.fingerprint
+    rebuilt = tokenizer_from_spec(splitting.spec())
+    assert rebuilt.encode(text) == splitting.encode(text) and rebuilt.fingerprint == splitting.fingerprint
+    assert "settings" not in plain.spec()  # records of tokenizers without it are unchanged
+
+
 def bos_tokenizer_folder(folder):
     """The test tokenizer, made to add a BOS to every text it encodes with special tokens (as Llama's does)."""
     from tokenizers import Tokenizer, processors

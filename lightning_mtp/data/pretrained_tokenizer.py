@@ -121,6 +121,11 @@ def _transformers() -> Any:
     return transformers
 
 
+ENCODING_SETTINGS = ("split_special_tokens",)
+"""``tokenizer_config.json`` settings that change the ids text is encoded to and that ``tokenizer.json`` does not hold
+(``split_special_tokens``: "<|im_end|>" written in a text is split into pieces, not the special token)."""
+
+
 class PretrainedTokenizer(Tokenizer):
     """A ``transformers`` fast tokenizer behind lightning-mtp's :class:`~lightning_mtp.data.tokenizers.Tokenizer`.
 
@@ -141,7 +146,11 @@ class PretrainedTokenizer(Tokenizer):
                              "decoding stops at it): set eos_token in its tokenizer_config.json")
         self.hf = hf
         self._json = backend.to_str()
-        payload = {"json": self._json, "special": self.special_tokens()}
+        # settings of tokenizer_config.json that change how text is encoded beyond tokenizer.json (only when set, so
+        # the fingerprints and records of tokenizers without them are as they were)
+        self.settings = {name: True for name in ENCODING_SETTINGS if getattr(hf, name, False) is True}
+        payload = {"json": self._json, "special": self.special_tokens(), **({"settings": self.settings}
+                                                                            if self.settings else {})}
         self._fingerprint = hashlib.sha1(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
         self.name = f"{name}-{len(hf)}"
 
@@ -249,7 +258,8 @@ class PretrainedTokenizer(Tokenizer):
 
     # ----------------------------------------------------------------- checkpoints and export
     def _spec_payload(self) -> dict:
-        return {"json": self._json, "special": self.special_tokens(), "chat_template": self.chat_template}
+        return {"json": self._json, "special": self.special_tokens(), "chat_template": self.chat_template,
+                **({"settings": self.settings} if self.settings else {})}
 
     def save(self, folder: str) -> None:
         """Write the tokenizer's files into ``folder`` (``save_pretrained``), e.g. beside an exported model."""
@@ -266,7 +276,8 @@ def pretrained_tokenizer_from_spec(spec: dict) -> PretrainedTokenizer:
 
     transformers = _transformers()
     special = {k: v for k, v in (spec.get("special") or {}).items() if v is not None}
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Backend.from_str(spec["json"]), **special)
+    settings = {k: v for k, v in (spec.get("settings") or {}).items() if k in ENCODING_SETTINGS}
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Backend.from_str(spec["json"]), **special, **settings)
     if spec.get("chat_template"):
         hf.chat_template = spec["chat_template"]
     name = str(spec.get("name", KIND)).rsplit("-", 1)[0]
