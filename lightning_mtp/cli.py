@@ -42,7 +42,7 @@ import lightning_mtp.data  # noqa: F401
 import lightning_mtp.decoding  # noqa: F401
 import lightning_mtp.models  # noqa: F401
 from lightning_mtp import cli_checkpoint as ckpt_rules
-from lightning_mtp import cli_export
+from lightning_mtp import cli_errors, cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.callbacks.safe_checkpoint import restore_interrupted_swap
 from lightning_mtp.checkpointing import (
@@ -99,6 +99,7 @@ class MTPLightningCLI(LightningCLI):
         self._raw_args = resolve_config_args(with_checkpoint_config(
             [str(a) for a in (sys.argv[1:] if args is None else args)]))
         refuse_optimizer_settings(self._raw_args)
+        cli_errors.CONFIG_FILES[0] = self._raw_args.count("--config")
         try:
             self.config = parser.parse_args(self._raw_args)
         except SystemExit as done:

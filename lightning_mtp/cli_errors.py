@@ -37,6 +37,10 @@ _NOISE = (
 )
 
 
+CONFIG_FILES = [0]
+"""How many ``--config`` files the command line gives (set by the CLI before parsing; a refusal then says more)."""
+
+
 def condense_parse_error(message: str) -> str:
     """The first real reason in a jsonargparse error tree, prefixed with the flag it concerns."""
     lines = message.splitlines()
@@ -65,6 +69,12 @@ def condense_parse_error(message: str) -> str:
         if text.startswith("- Expected a "):  # a union: every member it was tried as, and the value given
             reason = _union_reason(lines[number:], indent)
         reason = re.sub(r"<class '([\w.]+)'>", r"\1", reason)
+        nested = re.search(r"NestedArg\(key='([^']*)', val='([^']*)'\)", reason)
+        if nested:  # a misspelt option of a class given by flags: name it, not jsonargparse's internal value
+            reason = f"no option {nested.group(1)!r} (given {nested.group(2)!r}); see --help for the class's options"
+        if CONFIG_FILES[0] > 1 and flag in ("--model", "--data") and re.match(r"Option '\w+' is not accepted", reason):
+            reason += (f" (a later --config replaced the {flag[2:]} class these settings were for: give a strategy's "
+                       "config first and the model's after it, e.g. --config deepspeed_zero3 --config finetune)")
         return f"{flag}: {reason}" if flag else reason
     return lines[0].strip()
 

@@ -134,6 +134,19 @@ def test_unknown_flag_is_refused(tmp_path, capsys):
     assert "dept" in err
 
 
+def test_a_misspelt_option_of_a_class_given_by_flags_is_named(capsys):
+    """jsonargparse's own words were ``Expected a str. Got value: NestedArg(key='stag', val='3')``."""
+    err = cli_refusal(["fit", "--config", "deepspeed_zero2", "--trainer.strategy.init_args.stag", "3"], capsys)
+    assert "--trainer.strategy: no option 'stag'" in err and "NestedArg" not in err
+
+
+def test_configs_in_the_wrong_order_say_which_order_works(tmp_path, capsys):
+    """``--config finetune --config deepspeed_zero3``: the second config's model class took the first's settings."""
+    err = cli_refusal(["fit", "--config", "finetune", "--config", "deepspeed_zero3", "--model.init_args.pretrained",
+                       str(tmp_path)], capsys)
+    assert "Option 'pretrained' is not accepted" in err and "--config deepspeed_zero3 --config finetune" in err
+
+
 # ------------------------------------------------------------------------------------------ Python API
 def test_python_predict_with_another_tokenizer_is_refused(tiny_checkpoint, tmp_path):
     """trainer.predict(ckpt_path=...) with a datamodule whose BPE has the same size but other merges."""
