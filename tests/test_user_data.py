@@ -166,6 +166,57 @@ def test_a_model_folder_with_a_long_name_tokenizes_in_several_processes(tok_dir,
         [row["input_ids"].tolist() for row in all_rows(one.train_dataset)]
 
 
+def prompt_completion_records(count: int, conversational: bool = False) -> list[dict]:
+    """``trl``'s prompt-completion records: plain strings, or lists of turns."""
+    records = []
+    for record in chat_records(count):
+        user, assistant = record["messages"]
+        records.append({"prompt": [user], "completion": [assistant]} if conversational else
+                       {"prompt": user["content"] + "\n", "completion": assistant["content"]})
+    return records
+
+
+@pytest.mark.parametrize("train_on", [None, "all"])
+def test_prompt_completion_records_train_on_the_completion_as_trl_does(tok_dir, tmp_path, train_on):
+    """(They were refused: "name the field that holds the text", and --data.text_field prompt trained prompts only.)
+    The prompt's ids as a prompt is encoded, then the completion's and EOS; only those trained by default."""
+    records = prompt_completion_records(30)
+    dm = datamodule(write_jsonl(tmp_path / "pc.jsonl", records), tok_dir, tmp_path, train_on=train_on, seq_len=96,
+                    packing=False)
+    dm.setup("fit")
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    expected = {}
+    for record in records:
+        head = hf(record["prompt"], add_special_tokens=True)["input_ids"]
+        tail = hf(record["completion"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+        expected[tuple(head + tail)] = ([-100] * len(head) if train_on is None else head) + tail
+    rows = all_rows(dm.train_dataset)
+    assert len(rows) == len(dm.records.splits()[0])
+    for row in rows:
+        assert row["labels"].tolist() == expected[tuple(row["input_ids"].tolist())]
+    dm.setup("predict")  # held-out prompts: each record's prompt, as training saw it
+    held_out = dm.records.splits()[1]
+    assert dm.prompt_dataset().prompts[0] == hf(held_out[0]["prompt"], add_special_tokens=True)["input_ids"]
+
+
+def test_conversational_prompt_completion_records_are_the_chats_they_join(tok_dir, tmp_path):
+    joined = [{"messages": r["prompt"] + r["completion"]} for r in prompt_completion_records(30, True)]
+    rows = {}
+    for name, records in (("pc", prompt_completion_records(30, True)), ("chat", joined)):
+        dm = datamodule(write_jsonl(tmp_path / name / "data.jsonl", records), tok_dir, tmp_path / name, seq_len=128)
+        dm.setup("fit")
+        rows[name] = [(r["input_ids"].tolist(), r["labels"].tolist()) for r in all_rows(dm.train_dataset)]
+    assert rows["pc"] == rows["chat"] and rows["pc"]
+
+
+def test_prompt_completion_records_without_a_completion_are_refused_naming_it(tok_dir, tmp_path):
+    records = prompt_completion_records(20)
+    del records[3]["completion"]
+    dm = datamodule(write_jsonl(tmp_path / "pc.jsonl", records), tok_dir, tmp_path)
+    with pytest.raises(ValueError, match=r"1 of 20 records have no 'completion' field .*the first is record 3"):
+        dm.setup("fit")
+
+
 def test_chat_prompts_are_rendered_with_the_generation_prompt(tok_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write f."}]}) + "\n"

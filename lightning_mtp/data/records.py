@@ -13,7 +13,8 @@ turns: it is rendered with the tokenizer's chat template, and with ``train_on="a
 only the tokens the template marks as generated (``{% generation %}``) are trained, as ``transformers``'
 ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks them. Otherwise it is **text**: its
 ``text_field`` (default ``"text"``; every ``.txt`` file is one text record) is one document, with the tokenizer's own
-special tokens and EOS at its end, every token trained.
+special tokens and EOS at its end, every token trained. Records of a ``prompt`` and a ``completion`` (``trl``'s SFT
+format) are read too: :mod:`~lightning_mtp.data.completion_records`.
 
 Rows follow ``transformers``' conventions: ``labels`` equal ``input_ids`` where a token is trained and -100
 elsewhere (the model shifts). **Packed** (the default for text): documents are concatenated into rows of ``seq_len``
@@ -45,6 +46,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
+from lightning_mtp.data import completion_records as completions
 from lightning_mtp.data.atomic import atomic_write, private_folder, publish_folder
 from lightning_mtp.data.chat_records import TURNS_VERSION, ChatEncoder, chat_turns, check_chat_settings
 from lightning_mtp.data.corpus import CORPUS_FLAG
@@ -82,6 +84,7 @@ class TokenizedRecords:
     val: Any
     chat: bool
     folder: Path
+    completion: bool = False  # plain prompt-completion records (completion_records)
 
 
 def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence[RecordPart]] = None) -> bool:
@@ -92,6 +95,14 @@ def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence
     :class:`RecordPart` s ``dataset`` joins, in order (``None``: one part of JSON records)."""
     parts = [RecordPart(dataset, [], True)] if parts is None else parts
     columns = dataset.column_names
+    if completions.is_prompt_completion(columns, settings.text_field, settings.messages_field):
+        pair = (completions.PROMPT, completions.COMPLETION)
+        for field, other in (pair, pair[::-1]):
+            refuse_missing_field(dataset, field, f"a prompt-completion record's {field!r}", other, parts)
+        conversational = completions.is_conversational(dataset)  # lists of turns: read as chat records
+        for field in pair if not conversational else ():
+            refuse_non_string_text(dataset, field, f"a prompt-completion record's {field!r}")
+        return conversational
     for chat, field, flag, other in ((True, settings.messages_field, "--data.messages_field", settings.text_field),
                                      (False, settings.text_field, "--data.text_field", settings.messages_field)):
         if field in columns:
@@ -108,8 +119,9 @@ def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence
         )
     raise ValueError(
         f"{CORPUS_FLAG}: the records have neither a {settings.text_field!r} field (--data.text_field) nor a "
-        f"{settings.messages_field!r} field (--data.messages_field); their fields are {sorted(columns)}: name the "
-        "field that holds the text or the chat turns"
+        f"{settings.messages_field!r} field (--data.messages_field), nor 'prompt' and 'completion' fields; their "
+        f"fields are {sorted(columns)}: name the field that holds the text or the chat turns (or give prompt-"
+        "completion records those two fields)"
     )
 
 
@@ -147,7 +159,7 @@ def refuse_missing_field(dataset: Any, field: str, flag: str, other: str,
                      "fix or remove those records")
 
 
-def refuse_non_string_text(dataset: Any, field: str) -> None:
+def refuse_non_string_text(dataset: Any, field: str, flag: str = "--data.text_field") -> None:
     """Raise when some text records hold something other than a string (a number, a list) in ``field``: they would
     otherwise be read as empty texts and skipped."""
     if getattr(dataset.features[field], "dtype", None) in ("string", "large_string", "null"):
@@ -162,7 +174,7 @@ def refuse_non_string_text(dataset: Any, field: str) -> None:
         at += len(batch[field])
     if count:
         raise ValueError(f"{CORPUS_FLAG}: {count} of {len(dataset)} text records hold a {field!r} field "
-                         f"(--data.text_field) that is not a string; the first is record {first} (from 0, in the "
+                         f"({flag}) that is not a string; the first is record {first} (from 0, in the "
                          f"order read), whose {field!r} is {str(value)[:60]!r} ({type(value).__name__}): a text record "
                          "holds its text as a string: fix or remove those records")
 
@@ -219,7 +231,8 @@ def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSe
 
 def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, settings: RecordSettings,
                      folder: Path, num_proc: Optional[int] = None,
-                     positions: Optional[tuple[list[int], list[int]]] = None) -> TokenizedRecords:
+                     positions: Optional[tuple[list[int], list[int]]] = None,
+                     completion: bool = False) -> TokenizedRecords:
     """Tokenize both splits into ``folder`` (or load them when a finished run left them there). ``positions``: the
     splits' records' positions in the corpus (:func:`split_positions`), which a refused chat record is named by.
 
@@ -228,16 +241,17 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     from one folder) never write into the files another one reads; when another run finished first, its folder is
     used and this one's dropped."""
     if _tokenized(folder):
-        return _load_tokenized(folder, chat)
-    train_on = settings.train_on or ("assistant" if chat else "all")
+        return _load_tokenized(folder, chat, completion)
+    train_on = settings.train_on or ("assistant" if chat or completion else "all")
     if chat:
         check_chat_settings(tokenizer, train_on)
-    elif train_on == "assistant":
+    elif train_on == "assistant" and not completion:
         raise ValueError(f"--data.train_on assistant needs chat records (a {settings.messages_field!r} field, "
                          f"--data.messages_field); these are text: use --data.train_on all")
     encoders = {name: ChatEncoder(tokenizer, settings.messages_field, train_on == "assistant",
-                                   None if positions is None else positions[i]) if chat else _TextEncoder(
-        tokenizer, settings.text_field) for i, name in enumerate(("train", "val"))}
+                                   None if positions is None else positions[i]) if chat else
+                completions.CompletionEncoder(tokenizer, train_on == "assistant") if completion else
+                _TextEncoder(tokenizer, settings.text_field) for i, name in enumerate(("train", "val"))}
     procs = num_proc if num_proc is not None else max(1, min(4, os.cpu_count() or 1))
     # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
     # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
@@ -256,7 +270,8 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
                 from lightning.pytorch.utilities import rank_zero_warn
 
                 rank_zero_warn(f"{CORPUS_FLAG}: {len(part) - len(mapped)} of {len(part)} {name} records have no "
-                               "token to train on and are skipped (empty texts, or chats without an assistant turn)")
+                               "token to train on and are skipped (empty texts or completions, or chats without an "
+                               "assistant turn)")
             kept[name] = len(mapped)
             mapped.save_to_disk(str(tmp / name))
         for name, part, what, advice in (("train", train, "training", ""),
@@ -270,17 +285,17 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_folder(tmp, folder, _tokenized)
-    return _load_tokenized(folder, chat)
+    return _load_tokenized(folder, chat, completion)
 
 
 def _tokenized(folder: Path) -> bool:
     return (folder / "meta.json").is_file()
 
 
-def _load_tokenized(folder: Path, chat: bool) -> TokenizedRecords:
+def _load_tokenized(folder: Path, chat: bool, completion: bool = False) -> TokenizedRecords:
     datasets = datasets_library()
     return TokenizedRecords(datasets.load_from_disk(str(folder / "train")),
-                            datasets.load_from_disk(str(folder / "val")), chat, folder)
+                            datasets.load_from_disk(str(folder / "val")), chat, folder, completion)
 
 
 class _TextEncoder:
@@ -321,6 +336,7 @@ class RecordCorpus:
         self._splits: Optional[tuple[Any, Any]] = None
         self.positions: Optional[tuple[list[int], list[int]]] = None  # the (train, val) records' corpus positions
         self.chat: Optional[bool] = None
+        self.completion = False  # plain prompt-completion records (conversational ones are read as chat records)
         self.tokenized: Optional[TokenizedRecords] = None
         self.train_rows: Optional[Dataset] = None
         self.val_rows: Optional[Dataset] = None
@@ -331,7 +347,12 @@ class RecordCorpus:
         if self._splits is None:
             parts = load_record_parts(self.files, self.cache_dir)
             records = join_record_parts(parts)
-            self.chat = record_kind(records, self.settings, parts)
+            settings = self.settings
+            self.chat = record_kind(records, settings, parts)
+            if completions.is_prompt_completion(records.column_names, settings.text_field, settings.messages_field):
+                self.completion = not self.chat
+                if self.chat:
+                    records = completions.as_chat_records(records, settings.messages_field)
             self.positions = split_positions(len(records), self.settings.val_fraction, self.settings.seed)
             self._splits = records.select(self.positions[0]), records.select(self.positions[1])
         return self._splits
@@ -345,6 +366,9 @@ class RecordCorpus:
     def training_texts(self) -> Iterator[str]:
         """The train split's text (chat: every turn's content), e.g. to train a BPE tokenizer on."""
         train, _ = self.splits()
+        if self.completion:
+            yield from completions.training_texts(train)
+            return
         field = self.settings.messages_field if self.chat else self.settings.text_field
         for batch in train.select_columns([field]).iter(batch_size=1024):
             for value in batch[field]:
@@ -360,7 +384,7 @@ class RecordCorpus:
         train, val = self.splits()
         folder = cache_folder(self.files, tokenizer, self.settings, self.cache_dir)
         self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
-                                          self.positions)
+                                          self.positions, self.completion)
         self.packed = self.settings.packing if self.settings.packing is not None else not self.chat
         seq_len = self.settings.seq_len
         if self.packed:
@@ -379,15 +403,18 @@ class RecordCorpus:
 
     def held_out_prompts(self, tokenizer: Tokenizer, count: int, prompt_tokens: int) -> tuple[list, list]:
         """(ids, text) of the first ``count`` validation records as prompts: a chat up to its last assistant turn
-        with the generation prompt, a text's first ``prompt_tokens`` tokens."""
+        with the generation prompt, a prompt-completion record's prompt, a text's first ``prompt_tokens`` tokens."""
         _, val = self.splits()
         prompts, texts = [], []
-        field = self.settings.messages_field if self.chat else self.settings.text_field
+        field = (self.settings.messages_field if self.chat else completions.PROMPT if self.completion
+                 else self.settings.text_field)
         for value in val.select_columns([field]).select(range(min(count, len(val))))[field]:
             if self.chat:
                 turns = chat_turns(value or [], "a held-out chat record")
                 last = max((i for i, t in enumerate(turns) if t.get("role") == "assistant"), default=len(turns))
                 ids, _ = tokenizer.render_chat(turns[:last], generation_prompt=True)
+            elif self.completion:
+                ids = tokenizer.encode_prompt(value or "")
             else:
                 ids = tokenizer.encode_prompt(value or "")[:prompt_tokens]
             if ids:
