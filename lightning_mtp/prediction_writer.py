@@ -80,9 +80,13 @@ class PredictionWriter(BasePredictionWriter):
         prompts = prediction.get("prompt_text") or [None] * len(prediction["tokens"])
         texts = prediction.get("texts") or [None] * len(prediction["tokens"])
         indices = list(batch_indices) if batch_indices else range(self._rows, self._rows + len(prediction["tokens"]))
+        dataset = getattr(getattr(trainer, "datamodule", None), "predict_dataset", None)
+        lines = getattr(dataset, "lines", None)  # each prompt's line in a prompts file (blank lines skipped)
         with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
             for index, prompt, text, tokens in zip(indices, prompts, texts, prediction["tokens"]):
                 record = {"index": int(index), "prompt": prompt, "completion": text, "tokens": tokens}  # prompt's own
+                if lines is not None and batch_indices:
+                    record["line"] = lines[int(index)]
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
                 self._rows += 1
         self._stats.append(prediction["stats"])

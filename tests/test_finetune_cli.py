@@ -80,9 +80,10 @@ def test_a_sentencepiece_chat_model_stops_at_its_end_of_turn_and_completions_kee
     main(finetune_args(tmp_path / "text", folder, texts, "--trainer.max_steps", "30",
                        "--model.init_args.learning_rate", "3e-2"))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The quick brown\n", encoding="utf-8")
+    prompts.write_text("\nThe quick brown\n", encoding="utf-8")  # a blank line first: the prompt is on line 2
     rows = predict(tmp_path / "text", tmp_path / "text" / "ckpt" / "last.ckpt", prompts,
                    "--model.init_args.generation.max_new_tokens", "4")
+    assert (rows[0]["index"], rows[0]["line"]) == (0, 2)
     assert tokenizer.hf.convert_ids_to_tokens(rows[0]["tokens"][0]).startswith("▁")  # a space before the word
     for row in rows:  # the completion is what the tokens add to the prompt's text (an independent decode)
         ids = tokenizer.encode_prompt(row["prompt"])
