@@ -418,12 +418,51 @@ def test_heads_trained_over_a_folder_are_refused_when_its_weights_changed(tmp_pa
     torch.manual_seed(7)  # the same architecture, other weights, in the same folder
     HFCausalLM("llama", {**CONFIGS["llama"], "bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": 0},
                mtp=MTPConfig(depth=2)).trunk.save_pretrained(folder)
-    changed = r"trained over the weights loaded from .*base'.*has other weights \(another model, or the folder changed"
+    changed = r"trained over the weights loaded from .*base'.*has other weights \(another model, or it changed"
     with pytest.raises(ValueError, match=changed):
         HFCausalLM.load_from_checkpoint(tmp_path / "heads.ckpt", weights_only=True)
     with pytest.raises(ValueError, match=changed):
         HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2),
                    mtp_heads=str(tmp_path / "heads.pt")).configure_model()
+
+
+def test_a_frozen_fit_over_a_wrapped_trunk_keeps_its_trunk_and_heads_never_land_on_another(tmp_path):
+    """``from_model(model, freeze_trunk=True)``: a heads-only checkpoint had no folder to take the trunk from again,
+    and ``load_from_checkpoint`` filled it with a config-built trunk's random weights, silently. Now its checkpoint
+    keeps the trunk; heads-only files (``save_trunk=False``, ``save_mtp_heads``) are refused on another trunk."""
+    trained = hf_model("llama", depth=2).trunk
+    model = HFCausalLM.from_model(trained, freeze_trunk=True, mtp=MTPConfig(depth=2), warmup_steps=0)
+    trainer = _fit(model, tmp_path)
+    trainer.save_checkpoint(tmp_path / "full.ckpt")
+    restored = HFCausalLM.load_from_checkpoint(tmp_path / "full.ckpt", weights_only=True)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[key], value)
+
+    heads_only = HFCausalLM.from_model(trained, freeze_trunk=True, save_trunk=False, mtp=MTPConfig(depth=2))
+    _fit(heads_only, tmp_path).save_checkpoint(tmp_path / "heads.ckpt")
+    wrapped = "trained over a trunk that was wrapped or built from its config.*fresh weights\\) has other weights"
+    with pytest.raises(ValueError, match=wrapped):
+        HFCausalLM.load_from_checkpoint(tmp_path / "heads.ckpt", weights_only=True)  # a random trunk
+    again = HFCausalLM.from_model(trained, mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.ckpt"))
+    again.configure_model()  # the trunk they were trained over: taken
+    other = hf_model("llama", depth=2).trunk
+    with torch.no_grad():
+        other.get_input_embeddings().weight.mul_(1.5)  # the same architecture, other weights
+    with pytest.raises(ValueError, match="has other weights"):
+        HFCausalLM.from_model(other, mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.ckpt")).configure_model()
+
+
+def test_heads_saved_after_the_trunk_trained_are_refused_on_the_folder_it_started_from(tmp_path):
+    """``save_mtp_heads`` after a fit that trained the trunk described the folder's weights, which the heads were not
+    trained over."""
+    folder = tmp_path / "base"
+    hf_model("llama", depth=2).trunk.save_pretrained(folder)
+    model = HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2), warmup_steps=0, learning_rate=1e-2)
+    _fit(model, tmp_path)
+    model.save_mtp_heads(str(tmp_path / "heads.pt"))
+    with pytest.raises(ValueError, match="has other weights"):
+        HFCausalLM(pretrained=str(folder), mtp=MTPConfig(depth=2), mtp_heads=str(tmp_path / "heads.pt")
+                   ).configure_model()
 
 
 def test_heads_that_are_not_a_checkpoint_file_are_named(tmp_path):

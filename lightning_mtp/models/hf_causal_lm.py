@@ -78,6 +78,7 @@ from lightning_mtp.native.checkpoint import NativeImportReport, import_native_la
 from lightning_mtp.native.export import export_native
 from lightning_mtp.native.family import resolve_layout
 from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estimated_total_steps
+from lightning_mtp.sharded import is_dtensor
 
 TRUNK_PREFIX = "trunk."
 HEADS_ONLY_KEY = checkpointing.HEADS_ONLY_KEY
@@ -94,7 +95,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         freeze_trunk: train only the MTP modules (retrofit): the trunk's parameters (shared embedding and head
             included) get no gradient, the trunk stays in eval mode, ``mtp.detach_trunk`` is forced on, and
             checkpoints hold only the MTP weights (see ``save_trunk``).
-        save_trunk: keep the trunk's weights in Lightning checkpoints (default: ``not freeze_trunk``).
+        save_trunk: keep the trunk's weights in Lightning checkpoints (default: ``not freeze_trunk``, and always
+            when there is no ``pretrained`` folder to take them from again: a wrapped or config-built trunk).
         mtp_heads: a heads-only checkpoint (:meth:`save_mtp_heads`, or a fit with ``freeze_trunk``) loaded into the
             MTP modules when they are built.
         init_from: a checkpoint of a fit (full, or heads-only over the same ``pretrained`` trunk) whose weights start
@@ -137,13 +139,14 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         self._logit_transform = logit_transform_of(trunk)  # refuses logit transforms we cannot reproduce
         self.trunk = trunk
         self.pretrained = pretrained
-        # what a heads-only checkpoint's trunk must be: the folder's weights as loaded now (trunk_summary)
-        self._trunk_weights = weights_fingerprint(trunk) if pretrained is not None else None
+        # what a heads-only checkpoint's trunk must be: its weights as loaded or wrapped now (trunk_summary)
+        self._trunk_weights = _whole_weights_fingerprint(trunk)
         self.mtp_native_report: Optional[NativeImportReport] = None
         if self.mtp_config.layout != "native":
             check_block_spec(self.mtp_block_spec(), type(self).__name__)  # before training, naming the flag
         self.freeze_trunk = freeze_trunk
-        self.save_trunk = (not freeze_trunk) if save_trunk is None else save_trunk
+        # a heads-only checkpoint takes its trunk from the folder again; without one it would get random weights
+        self.save_trunk = (not freeze_trunk or pretrained is None) if save_trunk is None else save_trunk
         self.mtp_heads = mtp_heads
         if init_from is not None and not os.path.exists(init_from):
             raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
@@ -332,9 +335,10 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         return {k: v for k, v in self.state_dict().items() if not k.startswith(TRUNK_PREFIX)}
 
     def save_mtp_heads(self, path: str) -> None:
-        """Write the MTP weights and metadata only (``torch.load(weights_only=True)`` reads it)."""
+        """Write the MTP weights and metadata only (``torch.load(weights_only=True)`` reads it); the trunk is
+        described by its weights as they are now (a trunk trained with the heads is not the folder's any more)."""
         torch.save({"state_dict": self.mtp_state_dict(), checkpointing.CHECKPOINT_KEY: checkpointing.mtp_metadata(self),
-                    HEADS_ONLY_KEY: True, "trunk": self._trunk_summary()}, path)
+                    HEADS_ONLY_KEY: True, "trunk": self._trunk_summary(now=True)}, path)
 
     def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
@@ -354,8 +358,11 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         checkpointing.restore_runtime_state(self, checkpoint, schedule=False)  # weights only: a new run's schedule
         return report
 
-    def _trunk_summary(self) -> dict:
-        return trunk_summary(self.trunk, self._trunk_weights, self.pretrained)
+    def _trunk_summary(self, now: bool = False) -> dict:
+        """The trunk's description; ``now``: its weights' fingerprint taken again (a trunk that trained), where its
+        weights are whole on this process (not sharded: then none, and no weights check)."""
+        weights = _whole_weights_fingerprint(self.trunk) if now and not self.freeze_trunk else self._trunk_weights
+        return trunk_summary(self.trunk, weights, self.pretrained)
 
     def _check_trunk_summary(self, checkpoint: dict, path: str) -> None:
         """Refuse MTP heads trained over another trunk: other sizes, or (both loaded from folders) other weights."""
@@ -365,10 +372,14 @@ class HFCausalLM(MTPMixin, L.LightningModule):
                              f"{saved['vocab_size']}), but this trunk is a {own['class']} (hidden "
                              f"{own['hidden_size']}, vocab {own['vocab_size']})")
         if saved and saved.get("weights") and own.get("weights") and saved["weights"] != own["weights"]:
-            raise ValueError(f"{path} holds MTP heads trained over the weights loaded from {saved['pretrained']!r}, "
-                             f"but the trunk loaded from {self.pretrained!r} has other weights (another model, or "
-                             "the folder changed since): give the folder the heads were trained on, or train new "
-                             "heads on this one")
+            theirs = (f"the weights loaded from {saved['pretrained']!r}" if saved.get("pretrained") else
+                      "a trunk that was wrapped or built from its config (HFCausalLM.from_model, trunk=)")
+            mine = (f"the trunk loaded from {self.pretrained!r}" if self.pretrained else
+                    "this module's trunk (wrapped, or built from its config with fresh weights)")
+            raise ValueError(f"{path} holds MTP heads trained over {theirs}, but {mine} has other weights (another "
+                             "model, or it changed since): load the heads onto the trunk they were trained over "
+                             "(its folder, or HFCausalLM.from_model(model, mtp_heads=...)), or train new heads on "
+                             "this one")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
@@ -401,3 +412,10 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, self.learning_rate, self.weight_decay, self.warmup_steps,
                                    estimated_total_steps(self))
+
+
+def _whole_weights_fingerprint(trunk: nn.Module) -> Optional[str]:
+    """:func:`weights_fingerprint` of a trunk whose weights are all on this process; ``None`` for one that is sharded
+    (FSDP2, ZeRO-3) or not materialised (meta): nothing to check against then."""
+    whole = all(not is_dtensor(p) and not p.is_meta and p.numel() > 0 for p in trunk.parameters())
+    return weights_fingerprint(trunk) if whole else None
