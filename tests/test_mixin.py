@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mtp import MTPConfig, MTPMixin
+from lightning_mtp.decoding import GenerationConfig
 
 
 def depth_logits(model, input_ids):
@@ -232,3 +234,32 @@ def test_recompute_reruns_each_mtp_block_forward_once(make_tiny_model, monkeypat
             model.mtp_forward(hidden, input_ids)  # no grad: the plain forward of every depth and its output norm
     projections = sum(2 * B * (T - k - 1) * 32 * 32 for k in range(1, 4))  # attention output projections, H = 32
     assert flops[True] - flops[False] == depths_forward.flops - projections > 0
+
+
+class ConfiguredGRUHost(MTPMixin, L.LightningModule):
+    """README's advice: a module of one's own takes ``mtp`` / ``generation`` settings, passes them on and saves them
+    with ``save_hyperparameters``."""
+
+    def __init__(self, mtp: Optional[MTPConfig] = None, generation: Optional[GenerationConfig] = None):
+        super().__init__(mtp=mtp or MTPConfig(depth=2), generation=generation)
+        self.save_hyperparameters()
+        self.embed, self.trunk = nn.Embedding(50, 32), nn.GRU(32, 32, batch_first=True)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 50, bias=False)
+
+    mtp_token_embedding, mtp_output_head = GRUTrunkHost.mtp_token_embedding, GRUTrunkHost.mtp_output_head
+    mtp_final_norm, mtp_trunk_hidden_states = GRUTrunkHost.mtp_final_norm, GRUTrunkHost.mtp_trunk_hidden_states
+    configure_optimizers = GRUTrunkHost.configure_optimizers
+
+
+def test_dataclass_settings_a_module_saves_as_hyperparameters_load_with_weights_only(tmp_path):
+    """They were pickled as dataclasses: load_from_checkpoint(weights_only=True) raised UnpicklingError."""
+    model = ConfiguredGRUHost(MTPConfig(depth=2, loss_weight=0.2), GenerationConfig(max_new_tokens=7))
+    assert isinstance(model.hparams["mtp"], MTPConfig)  # what save_hyperparameters keeps
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(model, torch.utils.data.DataLoader(torch.randint(0, 50, (4, 12)), batch_size=2))
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    loaded = ConfiguredGRUHost.load_from_checkpoint(tmp_path / "model.ckpt", weights_only=True)
+    assert loaded.mtp_config == model.mtp_config and loaded.generation_config.max_new_tokens == 7
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key

@@ -3,6 +3,7 @@ layout, and MTP metadata and tokenizer in checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -135,6 +136,12 @@ class MTPLifecycle:
                 step = self.trainer.global_step
                 raise TrainingDiverged(f"training diverged by global step {step}: {error}") from None
             raise
+        hparams = checkpoint.get("hyper_parameters")
+        if hparams:  # a module's own MTPConfig / GenerationConfig arguments (save_hyperparameters): plain dicts, which
+            # these arguments take too, so that load_from_checkpoint(weights_only=True) reads them
+            for name, value in list(hparams.items()):
+                if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    hparams[name] = dataclasses.asdict(value)
         checkpoint[checkpointing.CHECKPOINT_KEY] = checkpointing.mtp_metadata(self)
         if self.mtp_tokenizer is not None:
             checkpoint[checkpointing.TOKENIZER_KEY] = self.mtp_tokenizer
