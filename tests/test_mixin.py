@@ -263,3 +263,26 @@ def test_dataclass_settings_a_module_saves_as_hyperparameters_load_with_weights_
     assert loaded.mtp_config == model.mtp_config and loaded.generation_config.max_new_tokens == 7
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_the_loss_api_refuses_misshapen_arguments_in_words():
+    """compute_lm_loss / compute_mtp_loss (a host's own training_step) raised torch's own errors: 'not enough values
+    to unpack', an embedding dtype error, 'cannot reshape tensor of 0 elements'; an empty batch through training_step
+    'min(): Expected reduction dim'."""
+    model = GRUTrunkHost()
+    model.configure_model()
+    ids = torch.randint(0, 50, (2, 12))
+    hidden = model.mtp_trunk_hidden_states(ids)
+    cases = [
+        (lambda: model.compute_lm_loss(ids[0]), r"input_ids must be a \(B, T\) tensor of integer token ids, got \(12"),
+        (lambda: model.compute_lm_loss(ids.float()), r"integer token ids, got \(2, 12\) torch.float32"),
+        (lambda: model.compute_lm_loss(ids[:0]), r"input_ids hold no token \(shape \(0, 12\)\)"),
+        (lambda: model.compute_lm_loss(ids, ids[:, :-1]), r"labels must have input_ids' shape \(2, 12\), got \(2, 11"),
+        (lambda: model.compute_lm_loss(ids, ids.float()), "labels must be integers, got torch.float32"),
+        (lambda: model.compute_mtp_loss(hidden, ids[0]), r"got \(12,\)"),
+        (lambda: model.compute_mtp_loss(ids, ids), "hidden must be the trunk's floating-point"),
+        (lambda: model.training_step(ids[:0], 0), r"a batch's input_ids hold no token"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -191,6 +191,10 @@ class MTPObjective:
             ``loss`` = λ · mean_k(w_k · L_k) (+ registered terms) to add to the host's own loss, and
             ``depth_losses`` (D,) for logging.
         """
+        check_loss_inputs(input_ids, labels, position_ids)
+        if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+            raise ValueError(f"compute_mtp_loss: hidden must be the trunk's floating-point (B, T, H) states, got "
+                             f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
         self.mtp_whole_root()
         return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
 
@@ -205,6 +209,7 @@ class MTPObjective:
         (:meth:`~lightning_mtp.mixin.contract.MTPHostContract.mtp_run_trunk`: a host that cannot take them refuses
         the batch) and no target crosses a document boundary.
         """
+        check_loss_inputs(input_ids, labels, position_ids)
         self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the trunk and every depth
         with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
             hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
@@ -273,3 +278,26 @@ class TrunkEmbeddings:
             yield caught
         finally:
             handle.remove()
+
+
+def check_token_ids(ids: Any, what: str) -> None:
+    """Raise ``ValueError`` unless ``ids`` is a (B, T) integer tensor holding at least one token."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+        shape = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{what} must be a (B, T) tensor of integer token ids, got {shape}")
+    if ids.numel() == 0:
+        raise ValueError(f"{what} hold no token (shape {tuple(ids.shape)}): a batch needs at least one row")
+
+
+def check_loss_inputs(input_ids: Any, labels: Any, position_ids: Any) -> None:
+    """The checks of the loss API's arguments that need no host sync: shapes and dtypes (a batch through the default
+    ``training_step`` is also checked for ids outside the vocabulary, :meth:`MTPSteps.mtp_checked_batch`)."""
+    check_token_ids(input_ids, "input_ids")
+    for name, value in (("labels", labels), ("position_ids", position_ids)):
+        if value is None:
+            continue
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(input_ids.shape):
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+        if value.is_floating_point() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be integers, got {value.dtype}")

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_mtp import decoding
 from lightning_mtp.mixin.batches import batch_mask, batch_position_ids, unpack_batch
+from lightning_mtp.mixin.objective import check_token_ids
 from lightning_mtp.mixin.step_tokens import StepTokens
 from lightning_mtp.outputs import MTPForward, MTPLossOutput
 
@@ -93,9 +94,7 @@ class MTPSteps:
         ignore = self.mtp_config.ignore_index
         input_ids, labels = unpack_batch(batch, ignore)
         position_ids = batch_position_ids(batch)
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise ValueError(f"a batch's input_ids must be a (B, T) tensor of integer token ids, got {shape}")
+        check_token_ids(input_ids, "a batch's input_ids")
         for name in ("labels", "attention_mask", "position_ids"):
             value = batch.get(name) if isinstance(batch, dict) else (labels if name == "labels" else None)
             if value is not None and tuple(value.shape) != tuple(input_ids.shape):
