@@ -136,11 +136,11 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
             f"{' and '.join(differs) or 'MTP settings'}."
         )
     tensors = {**module.state_dict(), **dict(module.named_parameters(remove_duplicate=False))}
+    for key in report.dropped:  # first: another architecture's weights may share a name with a new one
+        del state[key]
     for key in report.new:  # the module's own (fresh) weights; ZeRO-3 partitions gathered (every rank calls this)
         with gathered_weights([tensors[key]]):
             state[key] = tensors[key].detach().clone()
-    for key in report.dropped:
-        del state[key]
     if arch_changed:
         rank_zero_warn(f"checkpoint MTP architecture {report.checkpoint_architecture!r} differs from {arch!r}: none of "
                        "its MTP weights is loaded, the heads start fresh")

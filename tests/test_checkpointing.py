@@ -185,6 +185,9 @@ def test_heads_of_another_architecture_are_not_loaded_where_their_names_agree(tm
         assert torch.equal(fresh.state_dict()[key], value), key
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert torch.equal(fresh.embed.weight, saved["embed.weight"])  # the trunk still loads
+    with pytest.warns(UserWarning, match="none of its MTP weights is loaded"):  # (load_state_dict: missing keys)
+        loaded = CausalLM.load_from_checkpoint(path, weights_only=True, mtp=MTPConfig(depth=2, architecture="parallel"))
+    assert torch.equal(loaded.embed.weight, saved["embed.weight"])
 
 
 def test_a_weight_schedule_resumed_with_a_moved_milestone_keeps_counting_the_fits_tokens(tmp_path):
