@@ -248,7 +248,8 @@ def test_records_without_the_field_are_refused_naming_the_fields(tok_dir, tmp_pa
     bodies = [{"body": record["text"]} for record in text_records(30)]
     dm = datamodule(write_jsonl(tmp_path / "x.jsonl", bodies), tok_dir, tmp_path)
     with pytest.raises(ValueError, match=r"neither a 'text' field \(--data.text_field\) nor a 'messages' field "
-                                         r"\(--data.messages_field\); their fields are \['body'\]"):
+                                         r"\(--data.messages_field\), nor 'prompt' and 'completion' fields; their "
+                                         r"fields are \['body'\]"):
         dm.setup("fit")
     dm = datamodule(tmp_path / "x.jsonl", tok_dir, tmp_path, text_field="body")
     dm.setup("fit")  # named: fine
