@@ -86,7 +86,7 @@ class MTPDivergenceGuard:
         advice = (
             f"{applied}; {kept}. Try {', '.join(tries[:-1])} or "
             f"{tries[-1]}"
-            + (f", starting from the kept checkpoint's weights with --model.init_args.init_from {checkpoint}"
-               if checkpoint else "")
+            + (f", starting from the kept checkpoint's weights with --model.init_args.init_from {checkpoint} in "
+               "another checkpoint folder (--trainer.callbacks.init_args.dirpath)" if checkpoint else "")
         )
         return divergence_message(step, losses, gradient_norm, advice)
