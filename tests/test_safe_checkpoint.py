@@ -418,3 +418,18 @@ def test_last_ckpt_is_written_at_the_end_of_a_fit_past_its_last_validation(tmp_p
     _, _, saves = fit(tmp_path, uninterrupted[0], max_steps=6)
     assert saves.steps == [4, 6]
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 6
+
+
+@pytest.mark.parametrize("during", ["train", "val"])
+def test_a_signal_at_the_fits_last_step_runs_its_last_validation_before_the_fit_ends(tmp_path, uninterrupted, during):
+    """A resumed fit that has reached max_steps runs nothing (Lightning's fit loop returns at once), so a last
+    validation the stop skipped never ran: its metrics and the draft calibration's last fit were lost. Now that
+    validation runs and the fit ends; last.ckpt equals the uninterrupted fit's."""
+    cache, reference, _ = uninterrupted
+    _, stopped, saves = fit(tmp_path, cache, extra=[SendSignal(STEPS, signal.SIGTERM, during)])
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == STEPS and saves.steps[-1] == STEPS
+    state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("SafeCheckpoint"))
+    assert state["validation_skipped"] is False
+    assert_same_weights(reference, stopped)
+    assert checkpoint["mtp"]["draft_temperatures"] == pytest.approx(reference.mtp_draft_temperatures, abs=1e-9)

@@ -96,6 +96,7 @@ class SafeCheckpoint(ModelCheckpoint):
         self._previous_sigint: Any = None
         self._validation_skipped = False  # the stop skipped a validation (due at its step, or under way): saved
         self._validate_first = False  # restored from a checkpoint whose stop skipped one: run it before training
+        self._finishing = False  # a stop came at the fit's last step: its last validation runs, then the fit ends
         self._at_step = True  # the last training batch ended an optimizer step (not inside an accumulation window)
         self._save_pending = False  # a save fell inside an accumulation window: made at the window's step
 
@@ -202,9 +203,16 @@ class SafeCheckpoint(ModelCheckpoint):
         if not self._at_step:  # inside an accumulation window: a stop or a save waits for its step
             self._save_pending = self._save_pending or due
             return
-        if self._stop_signal:
-            _log_this_step(trainer)  # stopping here skips the loop's logging of the step that was trained and saved
+        if self._stop_signal and not self._finishing:
             self._validation_skipped = _validation_due(trainer)
+            if self._validation_skipped and _fit_ends_here(trainer):
+                # a resumed fit that has reached its end runs nothing, so a skipped last validation would never run
+                # (its metrics and the draft calibration's fit lost): save, then let it run and the fit end
+                self._finishing = True
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+                _tell(trainer, "stopping at the fit's last step: its last validation runs first")
+                return
+            _log_this_step(trainer)  # stopping here skips the loop's logging of the step that was trained and saved
             raise SIGTERMException  # on_exception saves last.ckpt; the same path as Lightning's SIGTERM
         if (due or self._save_pending) and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -215,7 +223,9 @@ class SafeCheckpoint(ModelCheckpoint):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
         self._agree(trainer, False)
-        if self._stop_signal and self._at_step:  # (inside a window: after the validation, at the window's step)
+        if self._stop_signal and self._at_step and not self._finishing and not (
+                _fit_ends_here(trainer) and not trainer.sanity_checking):  # the last validation: finished first
+            # (inside a window: after the validation, at the window's step)
             self._validation_skipped = not trainer.sanity_checking
             raise SIGTERMException  # the resumed fit runs this validation first (on_train_start)
 
@@ -231,7 +241,10 @@ class SafeCheckpoint(ModelCheckpoint):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self._at_step:  # a validation inside an accumulation window: saved at the window's step
+        if self._finishing or (self._stop_signal and not trainer.sanity_checking and _fit_ends_here(trainer)):
+            self._finishing, self._validation_skipped = True, False  # the last validation ran: saved as done
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        elif not self._at_step:  # a validation inside an accumulation window: saved at the window's step
             self._save_pending = True
         elif not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -375,6 +388,15 @@ def _optimizer_stepped(trainer: L.Trainer) -> bool:
         return not trainer.fit_loop.epoch_loop._should_accumulate()
     except Exception:  # noqa: BLE001 - another Lightning's loop: every batch counts as a step
         return True
+
+
+def _fit_ends_here(trainer: L.Trainer) -> bool:
+    """Whether the fit ends after the current step (``max_steps`` reached, or the last batch of the last epoch)."""
+    if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    epochs, loop = trainer.max_epochs, trainer.fit_loop.epoch_loop
+    return (epochs is not None and 0 <= epochs <= trainer.current_epoch + 1
+            and bool(getattr(loop.batch_progress, "is_last_batch", False)))
 
 
 def _validation_due(trainer: L.Trainer) -> bool:
