@@ -189,11 +189,14 @@ class MTPLightningCLI(LightningCLI):
             return  # another datamodule: the model still refuses a tokenizer it was not trained with (setup)
         names = ckpt_rules.TOKENIZER_SETTINGS if record.get("kind") == "bpe" else ("tokenizer",)
         found = ckpt_rules.conflicts(ckpt_rules.data_settings(record, names), current, given)
+        if record.get("kind") not in ("bpe", "byte"):  # null asks for the model folder's own, which the record is
+            # (whether it is the same tokenizer, the data module checks by its fingerprint)
+            found = [c for c in found if not (c[0] == "data.tokenizer" and c[1] is None)]
         if strict:
             found += ckpt_rules.conflicts(ckpt_rules.data_settings(record, defaults), current, given)
         if found:
             advice = (f"The weights were trained with the tokenizer {record.get('name')}; lightning-mtp uses it when "
-                      "--data.init_args.tokenizer and --data.init_args.vocab_size are left unset")
+                      "--data.init_args.tokenizer and --data.init_args.vocab_size are null or left unset")
             if strict:
                 advice += "; a resumed fit also keeps the data it was trained on"
             raise ValueError(ckpt_rules.describe_conflicts(found, source, advice))

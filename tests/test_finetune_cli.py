@@ -32,8 +32,9 @@ def finetune_args(workdir, folder, corpus, *extra: str) -> list[str]:
 
 def predict(workdir, ckpt, prompts, *extra: str) -> list[dict]:
     out = workdir / "predictions"
+    given = [] if prompts is None else ["--data.init_args.predict_prompts", str(prompts)]
     main(["predict", "--config", os.path.join(REPO, "configs", "predict.yaml"), "--ckpt_path", str(ckpt),
-          "--data.init_args.predict_prompts", str(prompts), "--trainer.callbacks.init_args.output_dir", str(out),
+          *given, "--trainer.callbacks.init_args.output_dir", str(out),
           "--trainer.enable_progress_bar", "false", "--model.init_args.generation.max_new_tokens", "6", *extra])
     return [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
 
@@ -102,6 +103,10 @@ def test_text_finetune_packs_documents_and_resumes_with_the_same_command(tmp_pat
     # checkpoint's tokenizer fills, not a tokenizer that contradicts it)
     main([*args, "--trainer.max_steps", "6", "--ckpt_path", str(ckpt)])
     assert torch.load(ckpt, weights_only=True)["global_step"] == 6
+    # null given as a flag (README's hf_llama command gives it: "the model folder's own") resumes too; it was refused
+    # as contradicting the folder's tokenizer the checkpoint records, and the advice (leave it unset) could not help
+    main([*args, "--trainer.max_steps", "7", "--ckpt_path", "last", "--data.init_args.tokenizer", "null"])
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 7
 
 
 def test_native_layers_are_fine_tuned_and_exported_with_the_tokenizer(tmp_path):
@@ -217,3 +222,12 @@ def test_predict_and_validate_from_a_checkpoint_anywhere_with_the_training_confi
     monkeypatch.chdir(tmp_path / "elsewhere")
     rows = predict(tmp_path / "run", ckpt, chat_prompts(tmp_path / "prompts.jsonl"))
     assert len(rows) == 2 and all(row["tokens"] for row in rows)
+
+    # validate and predict with the checkpoint alone, from another folder: the corpus is recorded absolute (it was
+    # looked up in this folder: 'code.jsonl does not exist', or another file of that name silently scored)
+    assert torch.load(ckpt, weights_only=True)["tokenizer"]["data"]["corpus"] == str(tmp_path / "work" / "code.jsonl")
+    write_jsonl(tmp_path / "elsewhere" / "code.jsonl", chat_records(40))  # another file of that name
+    main(["validate", "--ckpt_path", str(ckpt), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+          "--trainer.limit_val_batches", "1", "--data.init_args.cache_dir", str(tmp_path / "run" / "cache")])
+    rows = predict(tmp_path / "run", ckpt, None)
+    assert rows and rows[0]["prompt"].startswith("def g")  # held-out text records of the training corpus

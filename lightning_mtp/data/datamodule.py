@@ -336,6 +336,10 @@ class TextDataModule(L.LightningDataModule):
         """The tokenizer itself and the data settings it was built with, in plain types, for checkpoints."""
         settings = {name: getattr(self.hparams, name, None) for name in DATA_SETTINGS}
         settings["tokenizer"] = self.tokenizer_kind
+        for name in ("corpus", "tokenizer"):  # paths as absolute ones: validate / predict may run in another folder
+            value = settings[name]
+            if isinstance(value, str) and (name == "corpus" or is_tokenizer_path(value)):
+                settings[name] = str(Path(value).expanduser().absolute())
         if settings["suffixes"] is not None:
             settings["suffixes"] = list(settings["suffixes"])
         return {**self.load_tokenizer().spec(), "data": settings,
