@@ -277,10 +277,15 @@ def last_checkpoint(section: Any, subcommand: str) -> Optional[str]:
                else [callbacks]) if hasattr(c, "get") and str(c.get("class_path", "")).endswith("Checkpoint")
                and c.get("init_args", {}).get("dirpath")]
     if not folders:
-        raise ValueError("--ckpt_path last: the config has no checkpoint callback with a dirpath to find last.ckpt "
-                         "in; give the checkpoint's path")
+        raise ValueError("--ckpt_path last: the config's checkpoint callback names no dirpath (its checkpoints go to "
+                         "the logger's folder of each fit, a new version each time): give the checkpoint's path, or "
+                         "set the callback's dirpath in the config to resume with last")
     path = Path(folders[0]) / "last.ckpt"
-    if not (path.exists() or restore_interrupted_swap(str(path))):
+    restore_interrupted_swap(str(path))
+    # with enable_version_counter a later fit writes last-v1.ckpt beside it: the newest is the fit to resume, as
+    # Lightning's own "last" takes it
+    path = max(Path(folders[0]).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime, default=path)
+    if not path.exists():
         if subcommand != "fit":
             raise ValueError(f"--ckpt_path last: there is no {path} yet (no fit has written one)")
         # Lightning's reading: set once, it resumes a fit that was stopped and starts one that never ran (a job a

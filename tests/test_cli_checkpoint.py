@@ -195,6 +195,29 @@ def test_ckpt_path_last_resumes_the_checkpoint_callbacks_last_file(tmp_path, cap
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 5
 
 
+def test_ckpt_path_last_takes_the_newest_last_file_beside_a_version_counters(tmp_path):
+    """With enable_version_counter a second fit writes last-v1.ckpt beside the first's last.ckpt; `last` resumed the
+    first fit's file (Lightning's own "last" takes the newest)."""
+    import time
+
+    from conftest import tiny_fit_args
+
+    from lightning_mtp.cli import main
+
+    counter = ("--trainer.callbacks.init_args.enable_version_counter", "true")
+    main(tiny_fit_args(tmp_path, *counter))  # 3 steps: last.ckpt
+    time.sleep(0.05)
+    main(tiny_fit_args(tmp_path, *counter, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"))
+    folder = tmp_path / "ckpt"
+    assert torch.load(folder / "last-v1.ckpt", weights_only=True)["global_step"] == 2
+    main(tiny_fit_args(tmp_path, *counter, "--trainer.max_steps", "4", "--ckpt_path", "last"))
+    newest = max(folder.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 3  # the first fit's, untouched
+    checkpoint = torch.load(newest, weights_only=True)
+    assert checkpoint["global_step"] == 4 and checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"][
+        "completed"] == 4  # two more steps on the second fit's two
+
+
 def test_a_new_fit_into_a_folder_holding_an_earlier_fits_last_ckpt_is_refused(tmp_path, capsys):
     """Rerunning a stopped fit's command without ``--ckpt_path`` would replace its ``last.ckpt`` at the first save:
     refused before the fit starts; the file is untouched (a ``Trainer`` of one's own: test_safe_checkpoint)."""
