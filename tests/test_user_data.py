@@ -181,9 +181,9 @@ def test_prompt_completion_records_train_on_the_completion_as_trl_does(tok_dir, 
     """(They were refused: "name the field that holds the text", and --data.text_field prompt trained prompts only.)
     The prompt's ids as a prompt is encoded, then the completion's and EOS; only those trained by default."""
     records = prompt_completion_records(30)
-    dm = datamodule(write_jsonl(tmp_path / "pc.jsonl", records), tok_dir, tmp_path, train_on=train_on, seq_len=96,
-                    packing=False)
+    dm = datamodule(write_jsonl(tmp_path / "pc.jsonl", records), tok_dir, tmp_path, train_on=train_on, seq_len=96)
     dm.setup("fit")
+    assert dm.records.packed is False  # one record per row by default: a packed record's tail lost its prompt
     hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     expected = {}
     for record in records:

@@ -97,8 +97,8 @@ def record_kind(dataset: Any, settings: RecordSettings, parts: Optional[Sequence
     columns = dataset.column_names
     if completions.is_prompt_completion(columns, settings.text_field, settings.messages_field):
         pair = (completions.PROMPT, completions.COMPLETION)
-        for field, other in (pair, pair[::-1]):
-            refuse_missing_field(dataset, field, f"a prompt-completion record's {field!r}", other, parts)
+        for field in pair:  # (no "mixed" advice: the other field is the record's own half)
+            refuse_missing_field(dataset, field, f"a prompt-completion record's {field!r}", "", parts)
         conversational = completions.is_conversational(dataset)  # lists of turns: read as chat records
         for field in pair if not conversational else ():
             refuse_non_string_text(dataset, field, f"a prompt-completion record's {field!r}")
@@ -385,7 +385,9 @@ class RecordCorpus:
         folder = cache_folder(self.files, tokenizer, self.settings, self.cache_dir)
         self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
                                           self.positions, self.completion)
-        self.packed = self.settings.packing if self.settings.packing is not None else not self.chat
+        # padded by default for chats and prompt-completion records: packed, a record cut at a row's end would train
+        # its answer's tail in the next row without its prompt
+        self.packed = self.settings.packing if self.settings.packing is not None else not (self.chat or self.completion)
         seq_len = self.settings.seq_len
         if self.packed:
             self.train_rows = PackedRows(pack(self.tokenized.train, seq_len, folder / "packed-train"), seq_len)
