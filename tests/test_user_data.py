@@ -220,15 +220,18 @@ def test_prompt_completion_records_without_a_completion_are_refused_naming_it(to
 def test_chat_prompts_are_rendered_with_the_generation_prompt(tok_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write f."}]}) + "\n"
-                       + json.dumps({"prompt": "def g(x):"}) + "\n", encoding="utf-8")
+                       + json.dumps({"prompt": "def g(x):"}) + "\n"
+                       + json.dumps({"prompt": [{"role": "user", "content": "Write f."}]}) + "\n",  # trl's turns
+                       encoding="utf-8")
     dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(20)), tok_dir, tmp_path,
                     predict_prompts=str(prompts))
     dm.setup("predict")
     hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     chat = hf.apply_chat_template([{"role": "user", "content": "Write f."}], tokenize=True, add_generation_prompt=True)
     chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
-    assert dm.prompt_dataset().prompts == [list(chat), hf("def g(x):", add_special_tokens=True)["input_ids"]]
-    assert dm.prompt_dataset().lines == [1, 2]
+    assert dm.prompt_dataset().prompts == [list(chat), hf("def g(x):", add_special_tokens=True)["input_ids"],
+                                           list(chat)]
+    assert dm.prompt_dataset().lines == [1, 2, 3]
 
 
 def test_the_checkpoint_record_rebuilds_the_tokenizer_without_its_folder(tok_dir, tmp_path):

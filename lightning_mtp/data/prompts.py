@@ -135,7 +135,8 @@ def decode_prompts_file(data: bytes, path: str) -> str:
 def read_numbered_prompts(path: str) -> list[tuple[int, Union[str, list[dict]]]]:
     """``(line number, prompt)`` pairs of a ``.txt`` file (one prompt per line; ``\\n``, ``\\t`` and ``\\\\``
     escapes decoded) or a ``.jsonl`` file (one ``{"prompt": "..."}`` per line, or a chat ``{"messages": [{"role",
-    "content"}, ...]}``, which comes back as its list of turns, to be rendered with the chat template). Lines are split
+    "content"}, ...]}`` or ``{"prompt": [turns]}``, which comes back as its list of turns, to be rendered with the chat
+    template). Lines are split
     at ``\\n`` (a trailing ``\\r`` dropped) and numbered from 1 as in an editor; blank lines (and blank prompts) are
     skipped.
 
@@ -171,14 +172,14 @@ def _jsonl_prompt(line: str, path: str, number: int) -> Union[str, list[dict]]:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"{PROMPTS_FLAG}: {path}:{number} is not valid JSON ({err.msg})") from None
-    if isinstance(record, dict) and isinstance(record.get("messages"), list):
-        turns = record["messages"]
-        if all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
-               for t in turns):
-            return turns
+    # a chat: "messages", or a conversational prompt-completion record's "prompt" turns (trl's format)
+    turns = record.get("messages", record.get("prompt")) if isinstance(record, dict) else None
+    if isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("role"), str)
+                                       and isinstance(t.get("content"), str) for t in turns):
+        return turns
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt" or a chat '
-                         f'"messages" list of {{"role", "content"}} turns, got {line[:80]!r}')
+                         f'"messages" (or "prompt") list of {{"role", "content"}} turns, got {line[:80]!r}')
     return record["prompt"]
 
 
