@@ -190,8 +190,11 @@ class MTPLightningCLI(LightningCLI):
         names = ckpt_rules.TOKENIZER_SETTINGS if record.get("kind") == "bpe" else ("tokenizer",)
         found = ckpt_rules.conflicts(ckpt_rules.data_settings(record, names), current, given)
         if record.get("kind") not in ("bpe", "byte"):  # null asks for the model folder's own, which the record is
-            # (whether it is the same tokenizer, the data module checks by its fingerprint)
-            found = [c for c in found if not (c[0] == "data.tokenizer" and c[1] is None)]
+            # (whether it is the same tokenizer, the data module checks by its fingerprint), and DIR/tokenizer.json is
+            # the folder DIR's
+            found = [c for c in found if not (c[0] == "data.tokenizer" and (c[1] is None or (
+                isinstance(c[1], str) and Path(c[1]).name == "tokenizer.json"
+                and ckpt_rules.same(str(Path(c[1]).parent), c[2]))))]
         if strict:
             found += ckpt_rules.conflicts(ckpt_rules.data_settings(record, defaults), current, given)
         if found:

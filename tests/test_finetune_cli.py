@@ -107,6 +107,10 @@ def test_text_finetune_packs_documents_and_resumes_with_the_same_command(tmp_pat
     # as contradicting the folder's tokenizer the checkpoint records, and the advice (leave it unset) could not help
     main([*args, "--trainer.max_steps", "7", "--ckpt_path", "last", "--data.init_args.tokenizer", "null"])
     assert torch.load(ckpt, weights_only=True)["global_step"] == 7
+    # the folder's tokenizer.json names the same tokenizer as the folder the checkpoint records (it was refused)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def g(x):\n", encoding="utf-8")
+    assert predict(tmp_path / "run", ckpt, prompts, "--data.init_args.tokenizer", str(folder / "tokenizer.json"))
 
 
 def test_native_layers_are_fine_tuned_and_exported_with_the_tokenizer(tmp_path):
