@@ -289,15 +289,16 @@ def check_token_ids(ids: Any, what: str) -> None:
         raise ValueError(f"{what} hold no token (shape {tuple(ids.shape)}): a batch needs at least one row")
 
 
-def check_loss_inputs(input_ids: Any, labels: Any, position_ids: Any) -> None:
+def check_loss_inputs(input_ids: Any, labels: Any, position_ids: Any, what: str = "") -> None:
     """The checks of the loss API's arguments that need no host sync: shapes and dtypes (a batch through the default
-    ``training_step`` is also checked for ids outside the vocabulary, :meth:`MTPSteps.mtp_checked_batch`)."""
-    check_token_ids(input_ids, "input_ids")
+    ``training_step`` is also checked for ids outside the vocabulary, :meth:`MTPSteps.mtp_checked_batch`). ``what``
+    prefixes the names in the messages (``"a batch's "``)."""
+    check_token_ids(input_ids, f"{what}input_ids")
     for name, value in (("labels", labels), ("position_ids", position_ids)):
         if value is None:
             continue
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(input_ids.shape):
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+            raise ValueError(f"{what}{name} must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
         if value.is_floating_point() or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be integers, got {value.dtype}")
+            raise ValueError(f"{what}{name} must be integers, got {value.dtype}")

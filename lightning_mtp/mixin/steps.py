@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_mtp import decoding
 from lightning_mtp.mixin.batches import batch_mask, batch_position_ids, unpack_batch
-from lightning_mtp.mixin.objective import check_token_ids
+from lightning_mtp.mixin.objective import check_loss_inputs
 from lightning_mtp.mixin.step_tokens import StepTokens
 from lightning_mtp.outputs import MTPForward, MTPLossOutput
 
@@ -94,14 +94,11 @@ class MTPSteps:
         ignore = self.mtp_config.ignore_index
         input_ids, labels = unpack_batch(batch, ignore)
         position_ids = batch_position_ids(batch)
-        check_token_ids(input_ids, "a batch's input_ids")
-        for name in ("labels", "attention_mask", "position_ids"):
-            value = batch.get(name) if isinstance(batch, dict) else (labels if name == "labels" else None)
-            if value is not None and tuple(value.shape) != tuple(input_ids.shape):
-                raise ValueError(f"a batch's {name} must have input_ids' shape {tuple(input_ids.shape)}, got "
-                                 f"{tuple(value.shape)}")
-        if position_ids is not None and (position_ids.is_floating_point() or position_ids.dtype == torch.bool):
-            raise ValueError(f"a batch's position_ids must be integers, got {position_ids.dtype}")
+        check_loss_inputs(input_ids, labels, position_ids, "a batch's ")
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"a batch's attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{tuple(mask.shape)}")
         self._check_batch_values(input_ids, labels, position_ids, batch_mask(batch))
         return input_ids, labels, position_ids
 
