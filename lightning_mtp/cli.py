@@ -22,6 +22,7 @@ the tokenizer come from it; a setting given in a config file or as a flag that c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -99,7 +100,9 @@ class MTPLightningCLI(LightningCLI):
         self._raw_args = resolve_config_args(with_checkpoint_config(
             [str(a) for a in (sys.argv[1:] if args is None else args)]))
         refuse_optimizer_settings(self._raw_args)
-        cli_errors.CONFIG_FILES[0] = self._raw_args.count("--config")
+        cli_errors.CONFIG_FILES[:] = [value for flag, value in zip(self._raw_args, self._raw_args[1:])
+                                      if flag in ("--config", "-c")] + [
+            token.split("=", 1)[1] for token in self._raw_args if token.startswith("--config=")]
         try:
             self.config = parser.parse_args(self._raw_args)
         except SystemExit as done:
@@ -323,6 +326,17 @@ def _qualified(class_path: str) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _deepspeed_logs_to_stderr() -> None:
+    """DeepSpeed logs to stdout (on a machine without a GPU its first import warns that it chose the CPU), which put a
+    log line at the top of a DeepSpeed config printed by ``--print_config``: a file that does not parse back. Imported
+    here with stdout pointing at stderr, its log handler keeps writing there."""
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            import deepspeed.utils.logging  # noqa: F401
+        except ImportError:  # pragma: no cover - deepspeed is a core dependency
+            pass
+
+
 def main(args: Optional[list[str]] = None) -> None:
     argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
     if argv[:1] == ["export"]:  # not a Trainer subcommand: checkpoint -> transformers folder (cli_export)
@@ -334,6 +348,8 @@ def main(args: Optional[list[str]] = None) -> None:
                 raise
             fail(message)
     document_fields()
+    if any(arg.startswith("--print_config") for arg in argv):
+        _deepspeed_logs_to_stderr()
     try:
         MTPLightningCLI(
             L.LightningModule,

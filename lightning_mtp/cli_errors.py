@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -28,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
 _KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)":\s*$')
@@ -37,12 +39,15 @@ _NOISE = (
 )
 
 
-CONFIG_FILES = [0]
-"""How many ``--config`` files the command line gives (set by the CLI before parsing; a refusal then says more)."""
+CONFIG_FILES: list[str] = []
+"""The ``--config`` files the command line gives, in order (set by the CLI before parsing; a refusal then says
+more)."""
 
 
 def condense_parse_error(message: str) -> str:
     """The first real reason in a jsonargparse error tree, prefixed with the flag it concerns."""
+    if message.startswith("Problems parsing config"):
+        return _yaml_problem(CONFIG_FILES) or message.strip()
     lines = message.splitlines()
     if len(lines) <= 1:
         return message.strip()
@@ -72,11 +77,38 @@ def condense_parse_error(message: str) -> str:
         nested = re.search(r"NestedArg\(key='([^']*)', val='([^']*)'\)", reason)
         if nested:  # a misspelt option of a class given by flags: name it, not jsonargparse's internal value
             reason = f"no option {nested.group(1)!r} (given {nested.group(2)!r}); see --help for the class's options"
-        if CONFIG_FILES[0] > 1 and flag in ("--model", "--data") and re.match(r"Option '\w+' is not accepted", reason):
+        rejected = re.match(r"Option '(\w+)' is not accepted", reason)
+        if len(CONFIG_FILES) > 1 and flag in ("--model", "--data") and rejected and _bundled_option(flag, rejected[1]):
             reason += (f" (a later --config replaced the {flag[2:]} class these settings were for: give a strategy's "
                        "config first and the model's after it, e.g. --config deepspeed_zero3 --config finetune)")
         return f"{flag}: {reason}" if flag else reason
     return lines[0].strip()
+
+
+def _yaml_problem(files: list[str]) -> Optional[str]:
+    """The first of ``files`` that is not valid YAML, with the line and column of the problem (jsonargparse's message
+    names neither the file nor the line); ``None`` when each parses."""
+    for name in files:
+        try:
+            yaml.safe_load(Path(name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            return f"--config {name}: not valid YAML{where}: {problem}"
+    return None
+
+
+def _bundled_option(flag: str, option: str) -> bool:
+    """Whether ``option`` is an option of a bundled model (``--model``) or data (``--data``) class: refused by the
+    class a later ``--config`` chose, it was meant for another; an option no class has is a typo."""
+    from lightning_mtp.data import TextDataModule
+    from lightning_mtp.models import CausalLM, HFCausalLM
+
+    classes = (CausalLM, HFCausalLM) if flag == "--model" else (TextDataModule,)
+    return any(option in inspect.signature(cls.__init__).parameters for cls in classes)
 
 
 def _union_reason(lines: list[str], indent: int) -> str:

@@ -147,6 +147,21 @@ def test_configs_in_the_wrong_order_say_which_order_works(tmp_path, capsys):
     assert "Option 'pretrained' is not accepted" in err and "--config deepspeed_zero3 --config finetune" in err
 
 
+def test_a_typo_in_a_second_config_gets_no_config_order_hint(tmp_path, capsys):
+    """A misspelt option in a second ``--config`` is a typo, not an option the first config's class had: the hint
+    about config order sent the user the wrong way."""
+    (tmp_path / "typo.yaml").write_text("data:\n  init_args:\n    seq_lenn: 32\n")
+    err = cli_refusal(["fit", "--config", "quickstart", "--config", str(tmp_path / "typo.yaml")], capsys)
+    assert "Option 'seq_lenn' is not accepted" in err and "later --config" not in err
+
+
+def test_a_config_that_is_not_yaml_is_named_with_its_line(tmp_path, capsys):
+    """jsonargparse said only "Problems parsing config: while parsing a flow sequence" (no file, no line)."""
+    (tmp_path / "bad.yaml").write_text("data:\n  init_args:\n    seq_len: [32\n")
+    err = cli_refusal(["fit", "--config", "quickstart", "--config", str(tmp_path / "bad.yaml")], capsys)
+    assert f"--config {tmp_path / 'bad.yaml'}: not valid YAML (line 4, column 1)" in err
+
+
 # ------------------------------------------------------------------------------------------ Python API
 def test_python_predict_with_another_tokenizer_is_refused(tiny_checkpoint, tmp_path):
     """trainer.predict(ckpt_path=...) with a datamodule whose BPE has the same size but other merges."""

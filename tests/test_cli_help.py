@@ -82,3 +82,27 @@ def test_trunk_is_refused_on_the_command_line_but_taken_from_python(capsys):
     trunk = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, max_position_embeddings=64))
     assert HFCausalLM(trunk=trunk).trunk is trunk
+
+
+def test_printed_deepspeed_config_parses_back(tmp_path):
+    """``fit --config deepspeed_zero3 --print_config > ds3.yaml`` writes a config that reads back: DeepSpeed's first
+    import warned on stdout (no GPU here) and put ``[...] [WARNING] [real_accelerator.py...]`` at the file's top, so
+    ``--config ds3.yaml`` failed with "Problems parsing config". A fresh process: the warning comes at the first
+    import only."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("DS_ACCELERATOR", None)
+    command = [sys.executable, "-m", "lightning_mtp.cli", "fit", "--config", "deepspeed_zero3", "--print_config"]
+    printed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.startswith("# lightning.pytorch=="), printed.stdout[:300]
+    (tmp_path / "ds3.yaml").write_text(printed.stdout)
+    assert yaml.safe_load(printed.stdout)["trainer"]["strategy"]
+    again = subprocess.run([*command[:4], "--config", "ds3.yaml", "--print_config"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
