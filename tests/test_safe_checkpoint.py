@@ -433,3 +433,29 @@ def test_a_signal_at_the_fits_last_step_runs_its_last_validation_before_the_fit_
     assert state["validation_skipped"] is False
     assert_same_weights(reference, stopped)
     assert checkpoint["mtp"]["draft_temperatures"] == pytest.approx(reference.mtp_draft_temperatures, abs=1e-9)
+
+
+class BatchLog(Callback):
+    """(epoch, first ids of each row) of every training batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, tuple(batch["input_ids"][:, :4].flatten().tolist())))
+
+
+def test_a_fit_ended_by_max_steps_mid_epoch_and_extended_trains_the_rest_of_that_epoch(tmp_path, uninterrupted):
+    """``last.ckpt`` written at the end of a fit that ``max_steps`` stopped part-way through an epoch counted that
+    epoch as completed (Lightning's loops do) beside the loader's mid-epoch position: the extended fit labelled the
+    epoch's remaining batches the next epoch and ended an epoch early (22 steps of 33 in the tester's run)."""
+    whole, straight = tmp_path / "whole", BatchLog()
+    trainer, _, _ = fit(whole, uninterrupted[0], extra=[straight], max_steps=-1, max_epochs=3)
+    per_epoch = trainer.num_training_batches
+    assert trainer.global_step == 3 * per_epoch and per_epoch >= 3
+    first, then = BatchLog(), BatchLog()
+    fit(tmp_path / "parts", uninterrupted[0], extra=[first], max_steps=per_epoch + 2, max_epochs=3)
+    trainer, _, _ = fit(tmp_path / "parts", uninterrupted[0], extra=[then], max_steps=-1, max_epochs=3,
+                              ckpt_path=str(tmp_path / "parts" / "ckpt" / "last.ckpt"))
+    assert first.batches + then.batches == straight.batches  # (the weights differ: the cosine schedule's length did)
+    assert trainer.global_step == 3 * per_epoch

@@ -189,8 +189,18 @@ class SafeCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)  # Lightning's saves only when nothing was saved before
         if not self._should_skip_saving_checkpoint(trainer):  # the steps since the last save
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._at_train_end = True
+            try:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            finally:
+                self._at_train_end = False
         self._restore_sigint()
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if getattr(self, "_at_train_end", False) and _pass_unfinished(trainer):
+            _epoch_in_progress(checkpoint)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -388,6 +398,31 @@ def _optimizer_stepped(trainer: L.Trainer) -> bool:
         return not trainer.fit_loop.epoch_loop._should_accumulate()
     except Exception:  # noqa: BLE001 - another Lightning's loop: every batch counts as a step
         return True
+
+
+def _pass_unfinished(trainer: L.Trainer) -> bool:
+    """Whether the training loader stopped part-way through its pass (``max_steps``, ``max_time`` or a stop request
+    ended the fit mid-epoch) and holds its position (:class:`~lightning_mtp.data.loading.ResumableDataLoader`)."""
+    from lightning_mtp.data.loading import ResumableDataLoader
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = [loader for loader in getattr(combined, "flattened", []) if isinstance(loader, ResumableDataLoader)]
+    return any(0 < loader.state_dict()["batches_yielded"] < min(len(loader), trainer.num_training_batches)
+               for loader in loaders)
+
+
+def _epoch_in_progress(checkpoint: dict) -> None:
+    """Make ``checkpoint``'s loops say the current epoch is in progress, as a checkpoint saved after that step's batch
+    does: at the fit's end Lightning's loops count an epoch that ended part-way as completed, and a fit extended from
+    there (a larger ``max_steps``) would start the next epoch's count while the loader resumes the pass where it
+    stopped: that epoch's remaining batches counted as the next epoch, and the fit ended an epoch early."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress")
+    if not progress or progress["total"]["completed"] < 1:
+        return
+    for counts in (progress["total"], progress["current"]):
+        counts["processed"] -= 1
+        counts["completed"] -= 1
+    checkpoint["epoch"] = progress["current"]["completed"]
 
 
 def _fit_ends_here(trainer: L.Trainer) -> bool:
