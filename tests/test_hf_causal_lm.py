@@ -552,3 +552,20 @@ def test_the_context_refusal_of_a_model_folder_names_its_config_not_a_flag_that_
     assert "config.json" in flag and "--model.init_args.config" not in flag
     built = HFCausalLM("llama", CONFIGS["llama"])
     assert "--model.init_args.config.max_position_embeddings" in built.mtp_context_flag()
+
+
+def test_a_bfloat16_folder_trains_in_float32_weights_unless_the_precision_says_otherwise(tmp_path):
+    """A folder saved in bfloat16 (``"dtype": "bfloat16"`` in config.json, as real checkpoints ship) was loaded in
+    bfloat16 (transformers' default reads the folder's dtype): under ``precision="32-true"`` its weights, the fresh
+    MTP heads and AdamW's states were bfloat16, and updates under half a bfloat16 step never landed (the norms'
+    weights stayed exactly 1.0). Lightning's precision decides the dtype: 32-true keeps float32 weights."""
+    hf_model("llama", depth=2).trunk.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert '"bfloat16"' in (tmp_path / "bf16" / "config.json").read_text()
+    model = HFCausalLM(pretrained=str(tmp_path / "bf16"), freeze_trunk=True, mtp=MTPConfig(depth=2),
+                       learning_rate=1e-4, warmup_steps=0)
+    model.configure_model()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    norms = {k: v.clone() for k, v in model.mtp_state_dict().items() if "norm" in k}
+    trainer = _fit(model, tmp_path)
+    assert {state["exp_avg"].dtype for state in trainer.optimizers[0].state.values()} == {torch.float32}
+    assert all(not torch.equal(model.mtp_state_dict()[k], v) for k, v in norms.items())  # 1e-4 steps land

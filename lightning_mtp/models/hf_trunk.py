@@ -114,7 +114,10 @@ def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: O
             raise ValueError(f"HFCausalLM.pretrained (--model.init_args.pretrained) must be a local directory saved "
                              f"with save_pretrained; got {pretrained!r} (nothing is downloaded from a hub)")
         try:
-            return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, **extra)
+            # float32, whatever dtype the folder was saved in (transformers would keep a bfloat16 folder bfloat16):
+            # the trainer's precision decides the dtype (32-true and the mixed modes keep float32 weights, whose small
+            # updates would round away in bfloat16; bf16-true converts them)
+            return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, dtype=torch.float32, **extra)
         except (OSError, ValueError, KeyError) as error:  # a folder without its config or weights, or not an LM
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ValueError(f"HFCausalLM.pretrained (--model.init_args.pretrained) {pretrained!r}: transformers "
