@@ -592,3 +592,17 @@ def test_sampling_settings_at_temperature_zero_are_said_to_be_ignored():
         warnings.simplefilter("error")
         GenerationConfig(top_p=0.5, temperature=0.7)
         GenerationConfig()
+
+
+@pytest.mark.parametrize("options", [{}, {"speculative": "auto"}, {"draft_tree": [2, 1]}, {"draft_tokens": 4},
+                                     {"draft_tree_nodes": 5}])
+def test_speculative_decoding_runs_under_autocast_as_bf16_mixed_predict_does(options):
+    """``predict`` under ``--trainer.precision bf16-mixed`` decodes inside autocast: the MTP modules' outputs are
+    bfloat16 there while the drafter's buffers follow the weights (float32), and storing them failed ("Index put
+    requires the source and destination dtypes match"). Greedy output equals plain decoding under the same autocast."""
+    model = draftable_model().eval()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model.generate(ids, 12, speculative=False).new_tokens
+        drafted = model.generate(ids, 12, **{"speculative": True, **options})
+    assert drafted.new_tokens.tolist() == plain.tolist()

@@ -151,7 +151,7 @@ class MTPDrafter:
             out = module(h_in, emb, cos, sin, positions, state.caches[k - 1])  # (B, W, H)
             state.ran = k
             if self.cascaded and k < self.max_drafts:
-                state.hidden[k][rows, positions] = out
+                state.hidden[k][rows, positions] = out.to(state.hidden.dtype)  # (autocast computes lower)
             module_depth = min(k, len(self.modules))  # depth D + 1 re-applies module D
             logits = self.module.mtp_depth_logits(module_depth, out[:, -1])  # (B, V) at position n-1
             temperature = self.module.mtp_draft_temperatures[module_depth - 1]

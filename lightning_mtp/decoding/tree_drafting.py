@@ -169,7 +169,7 @@ class MTPTreeDrafter:
         cos, sin = self.module.mtp_rope(positions.shape[1], positions)
         out = module(h_in, emb, cos, sin, slots, cache, mask)  # (B, W + M, H)
         if self.cascaded and k < self.max_drafts:
-            state.hidden[k][rows, linear_slots] = out[:, :width]
+            state.hidden[k][rows, linear_slots] = out[:, :width].to(state.hidden.dtype)
         return out, width
 
     def _tree_nodes(self, state: TreeDraftState, k: int, cand: _Candidates, node_index: Tensor,
@@ -326,7 +326,7 @@ class MTPTreeDrafter:
             out = module(h_in, emb, cos, sin, slots, cache)  # (B, W, H), causal
             state.ran = k
             if self.cascaded and k < self.max_drafts:
-                state.hidden[k][rows, slots] = out
+                state.hidden[k][rows, slots] = out.to(state.hidden.dtype)
             logits = self.module.mtp_depth_logits(self._module_index(k) + 1, out[:, -1])  # (B, V) at n - 1
             if probs is None:
                 token = logits.argmax(dim=-1)  # (B,)
