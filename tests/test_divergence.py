@@ -137,3 +137,30 @@ def test_non_finite_mtp_config_values_are_refused_in_python(field, value):
         MTPConfig(**{field: value})
     with pytest.raises(ValueError, match=r"MTPConfig\.depth_weights .* finite"):
         MTPConfig(depth=2, depth_weights=[1.0, value])
+
+
+def test_a_16_true_fit_that_diverges_is_told_to_use_mixed_precision(tmp_path, capsys):
+    """Under ``16-true`` AdamW diverges at the first step whatever the learning rate (its eps 1e-8 and small squared
+    gradients are 0 in float16): the advice was only a lower learning rate and a longer warmup."""
+    args = tiny_fit_args(tmp_path, "--trainer.max_steps", "3", "--trainer.precision", "16-true",
+                         "--model.init_args.learning_rate", "1e-6")
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "training diverged" in err, err[-2000:]
+    assert "--trainer.precision 16-mixed or bf16-mixed instead of 16-true" in err
+
+
+def test_per_depth_losses_keep_their_precision_when_the_default_dtype_is_bfloat16():
+    """``bf16-true`` sets torch's default dtype to bfloat16: the per-depth losses were gathered into a tensor of the
+    default dtype, so the logged ``train/mtp/loss_depth{k}`` were rounded (5.5625 for 5.5648)."""
+    model = tiny_model()
+    ids = torch.randint(3, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = model.compute_lm_loss(ids).depth_losses
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        depth_losses = model.compute_lm_loss(ids).depth_losses
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert depth_losses.dtype == torch.float32
+    torch.testing.assert_close(depth_losses, expected)

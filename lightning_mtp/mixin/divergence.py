@@ -77,6 +77,9 @@ class MTPDivergenceGuard:
         tries = [lower, "a longer warmup (--model.init_args.warmup_steps)"]
         if not self.trainer.gradient_clip_val:  # advice the fit already follows is left out
             tries.append("gradient clipping (--trainer.gradient_clip_val 1.0)")
+        if str(self.trainer.precision) in ("16-true", "16", "half"):  # diverges at any learning rate
+            tries.insert(0, "--trainer.precision 16-mixed or bf16-mixed instead of 16-true (in float16 AdamW's eps "
+                            "1e-8 and small squared gradients round to 0, and its update divides 0 by 0)")
         if str(self.trainer.precision) not in ("32-true", "32", "64-true", "64"):
             tries.append("full precision (--trainer.precision 32-true)")
         bad = nonfinite_tensors({name: p.to_local() if is_dtensor(p) else p for name, p in self.named_parameters()})

@@ -146,7 +146,8 @@ class MTPObjective:
         cfg = self.mtp_config
         losses = combine_parts(([main] if main is not None else []) + parts)
         per_depth = losses.per_depth[int(main is not None):]
-        depth_losses = torch.zeros(cfg.depth, device=per_depth.device)
+        depth_losses = torch.zeros(cfg.depth, device=per_depth.device, dtype=per_depth.dtype)  # (not the default:
+        # bf16-true makes it bfloat16, which rounded the logged per-depth losses)
         depth_losses[: per_depth.shape[0]] = per_depth
         mtp_weighted = per_depth.new_zeros(())
         for i, part in enumerate(parts):
