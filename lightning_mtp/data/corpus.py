@@ -24,7 +24,7 @@ import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 CORPUS_FLAG = "--data.corpus"
 
@@ -93,14 +93,65 @@ def check_corpus(corpus: Optional[str]) -> None:
         raise ValueError(f"{CORPUS_FLAG}: path {corpus!r} does not exist")
 
 
-def _walk(root: Path, excluded: frozenset[str], suffixes: Optional[Sequence[str]]) -> list[Path]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in excluded and not d.startswith(".")]
-        for name in filenames:
-            if suffixes is None or name.endswith(tuple(suffixes)):
-                found.append(Path(dirpath) / name)
-    return found
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
+"""Endings of compressed files: never read raw (their compressed bytes would be trained on as text)."""
+
+
+def is_compressed(path: Path) -> bool:
+    """Whether ``path`` names a compressed file (by its last ending, ``COMPRESSED_SUFFIXES``)."""
+    return Path(path).suffix.lower() in COMPRESSED_SUFFIXES
+
+
+def walk_folder(root: Path, skip_dir: Callable[[str], bool]) -> tuple[list[tuple[Path, list[str]]], list[str]]:
+    """Every folder under ``root`` (symlinked folders followed) with its file names, skipping folders whose name
+    ``skip_dir`` picks; and the links skipped because they lead to a folder already read (a link to a folder above
+    it, which would loop forever, or a second path to one), each as ``"link -> target"``.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "sub").mkdir()
+        >>> (root / "sub" / "up").symlink_to(root)
+        >>> folders, skipped = walk_folder(root, lambda name: False)
+        >>> len(folders), [link.split(" -> ")[0] == str(root / "sub" / "up") for link in skipped]
+        (2, [True])
+    """
+    seen = {os.path.realpath(root)}
+    folders, skipped = [], []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        kept = []
+        for name in sorted(dirnames):
+            if skip_dir(name):
+                continue
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if real in seen:
+                skipped.append(f"{os.path.join(dirpath, name)} -> {real}")
+                continue
+            seen.add(real)
+            kept.append(name)
+        dirnames[:] = kept
+        folders.append((Path(dirpath), filenames))
+    return folders, skipped
+
+
+def warn_skipped_links(skipped: Sequence[str]) -> None:
+    """Warn (rank zero) about the symlinked folders :func:`walk_folder` skipped, naming the first."""
+    if skipped:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"{CORPUS_FLAG}: {len(skipped)} symlinked folder(s) skipped, each leading to a folder already "
+                       f"read (a link to a folder above it, or a second link to one), the first {skipped[0]}: their "
+                       "files are read once, by the first path to them")
+
+
+def _walk(root: Path, excluded: frozenset[str], suffixes: Optional[Sequence[str]],
+          warn: bool = True) -> list[Path]:
+    folders, skipped = walk_folder(root, lambda name: name in excluded or name.startswith("."))
+    if warn:
+        warn_skipped_links(skipped)
+    return [folder / name for folder, names in folders for name in names
+            if suffixes is None or name.endswith(tuple(suffixes))]
 
 
 def find_corpus_files(corpus: Optional[str], suffixes: Optional[Sequence[str]] = (".py",)) -> list[Path]:
@@ -137,17 +188,47 @@ def find_corpus_files(corpus: Optional[str], suffixes: Optional[Sequence[str]] =
         files = [Path(corpus)]
         where = f"file {corpus!r}"
     files = [f for f in files if f.is_file()]
+    _refuse_compressed(files)
     if not files and suffixes and corpus is not None and Path(corpus).is_dir():
-        others = sorted({f.suffix or f.name for f in _walk(Path(corpus), DIRECTORY_EXCLUDED_DIRS, None)})
+        others = sorted({f.suffix or f.name for f in _walk(Path(corpus), DIRECTORY_EXCLUDED_DIRS, None, warn=False)})
         if others:  # files there, of other kinds: say so, and how to read them
             raise ValueError(f"{CORPUS_FLAG}: {where} holds none, only files ending in {', '.join(others[:8])}: "
-                             f"name the endings to read with --data.suffixes, e.g. '[{others[0]}]'")
+                             f"{_reading_advice(others)}")
     if not files:
         raise ValueError(f"{CORPUS_FLAG}: {where} is empty: it has no files")
     non_empty = sorted(f for f in files if f.stat().st_size > 0)
     if not non_empty:
         raise ValueError(f"{CORPUS_FLAG}: {where} is empty: all its {len(files)} file(s) are empty")
     return non_empty
+
+
+COMPRESSED_RECORDS = ".jsonl.gz, .json.gz or .csv.gz"
+"""The compressed record files read (decompressed): named in the advice for other compressed files."""
+
+
+def _refuse_compressed(files: Sequence[Path]) -> None:
+    """Refuse a compressed file among raw ``files``, naming it: read raw, its compressed bytes would be decoded as
+    text (mostly U+FFFD) and trained on."""
+    packed = sorted(f for f in files if is_compressed(f))
+    if packed:
+        raise ValueError(
+            f"{CORPUS_FLAG}: {packed[0]} is compressed ({packed[0].suffix}), and raw files are read as text: its "
+            f"compressed bytes would be trained on; decompress it, or leave it out (--data.suffixes for a directory, a "
+            f"narrower --data.corpus glob pattern); records are read compressed from {COMPRESSED_RECORDS} files")
+
+
+def _reading_advice(endings: Sequence[str]) -> str:
+    """How to read a folder holding files of ``endings`` only (none of the ``--data.suffixes`` read): name a raw
+    text ending with ``--data.suffixes``; never a compressed one (its bytes would be trained on as text) or ``.tsv``
+    (records, which raw reading would train on as text, separators and all)."""
+    readable = [e for e in endings if e.lower() not in COMPRESSED_SUFFIXES and e.lower() != ".tsv"]
+    if readable:
+        return f"name the endings to read with --data.suffixes, e.g. '[{readable[0]}]'"
+    if ".tsv" in (e.lower() for e in endings):
+        return ("tab-separated records (.tsv) are not read: convert them to .csv or .jsonl (e.g. "
+                "pandas.read_csv(path, sep='\\t', keep_default_na=False).to_json(out, orient='records', lines=True)) "
+                "and give those")
+    return f"compressed files are not read raw: decompress them (records are read compressed from {COMPRESSED_RECORDS})"
 
 
 def cap_bytes(files: Sequence[Path], max_bytes: Optional[int] = None) -> dict[Path, int]:

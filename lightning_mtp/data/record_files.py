@@ -2,7 +2,10 @@
 read raw), each file type read into Arrow tables, files of one type with other fields read apart, and the parts
 joined with one type per field. Files that cannot be read are refused naming the file and the reason (not UTF-8,
 empty, the first line that is not JSON, a ``save_to_disk`` folder), each file on its own: an empty or non-UTF-8 file
-is refused beside others as it is alone.
+is refused beside others as it is alone. Records come in the order of their files' sorted paths, whatever their types
+(the split hashes a record's position: a file sorting after the others never moves an earlier record). Gzip'd JSON and
+CSV files are read decompressed; other compressed files are refused. The Arrow tables ``datasets`` writes are kept
+under ``<cache_dir>/datasets/<files>/<version>``, one version (the files' sizes and modification times) at a time.
 
 Example::
 
@@ -19,52 +22,104 @@ from __future__ import annotations
 import codecs
 import csv
 import glob
+import gzip
 import hashlib
+import io
 import json
-import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
-from lightning_mtp.data.corpus import CORPUS_FLAG, is_glob
+from lightning_mtp.data.corpus import (
+    COMPRESSED_RECORDS,
+    CORPUS_FLAG,
+    is_compressed,
+    is_glob,
+    walk_folder,
+    warn_skipped_links,
+)
 
-RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
-"""File types read as records (``datasets`` builders: json, parquet, csv, text by document)."""
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".ndjson", ".jsonl.gz", ".json.gz", ".csv.gz")
+"""File types read as records (``datasets`` builders: json, parquet, csv, text by document; ``.ndjson`` is JSON
+lines; the gzip'd ones are read decompressed)."""
+_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv",
+             ".txt": "text", ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
+_CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
 _BUILDER_OPTIONS: dict[str, dict[str, Any]] = {
     ".txt": {"sample_by": "document"},
     # pandas reads "NA", "None", "null", "nan", "N/A", "#N/A"... as missing by default, which would drop real texts
     # as empty records: only an empty cell is missing (null, as a Parquet file's empty value), any other is its text
-    ".csv": {"keep_default_na": False, "na_values": [""]},
+    ".csv": _CSV_OPTIONS,
+    ".csv.gz": _CSV_OPTIONS,
 }
 """What each builder is given beyond the files."""
+_JSON_LINES = (".jsonl", ".ndjson", ".jsonl.gz")
+_JSON_TYPES = (".json", ".json.gz", *_JSON_LINES)
+
+
+def record_type(path: Path) -> Optional[str]:
+    """The record file type of ``path`` (a ``RECORD_SUFFIXES`` entry, lower case: ``.jsonl.gz`` for a gzip'd JSON
+    lines file), or ``None`` when it is not read as records.
+
+    Example::
+
+        >>> record_type(Path("a.JSONL.gz")), record_type(Path("a.txt.gz")), record_type(Path("b.csv"))
+        ('.jsonl.gz', None, '.csv')
+    """
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes[-1:] == [".gz"] and "".join(suffixes[-2:]) in RECORD_SUFFIXES:
+        return "".join(suffixes[-2:])
+    suffix = Path(path).suffix.lower()
+    return suffix if suffix in RECORD_SUFFIXES else None
+
+
+def _open_bytes(path: Path) -> BinaryIO:
+    """``path`` opened for reading its bytes: decompressed for a gzip'd record file."""
+    return gzip.open(path, "rb") if Path(path).suffix.lower() == ".gz" else open(path, "rb")  # noqa: SIM115
 
 
 def record_files(corpus: Optional[str]) -> Optional[list[Path]]:
     """The files of ``corpus`` to read as records, sorted; ``None`` when the corpus is read as raw files instead.
 
     A file, folder or glob is records when it holds a structured file (``.jsonl``, ``.json``, ``.parquet``,
-    ``.csv``): those and its ``.txt`` files (one record each) are read, nothing else. Any other corpus (the standard
-    library default, a source or ``.txt`` file, a folder or glob of them) is read raw: each file whole, filtered by
-    ``--data.suffixes``, joined by EOS and cut into windows (a single file holds out its tail). A folder that
-    ``datasets``' ``save_to_disk`` wrote is refused: its Arrow files are not read.
+    ``.csv``, ``.ndjson``, or gzip'd ``.jsonl.gz``, ``.json.gz``, ``.csv.gz``): those and its ``.txt`` files (one
+    record each) are read, nothing else, a compressed file of any other record type refused (``.jsonl.bz2``,
+    ``.txt.gz``: it would not be read). Any other corpus (the standard library default, a source or ``.txt`` file, a
+    folder or glob of them) is read raw: each file whole, filtered by ``--data.suffixes``, joined by EOS and cut into
+    windows (a single file holds out its tail). A folder's symlinked folders are read (a link to a folder already
+    read, such as one above it, is skipped with a warning). A folder that ``datasets``' ``save_to_disk`` wrote is
+    refused: its Arrow files are not read.
     """
     if corpus is None:
         return None
+    skipped: list[str] = []
     if is_glob(corpus):
         found = [Path(p) for p in glob.glob(corpus, recursive=True) if Path(p).is_file()]
     elif Path(corpus).is_dir():
-        found = []
-        for root, dirs, names in os.walk(corpus):
-            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
-            found += [Path(root) / name for name in names if not name.startswith(".")]
+        folders, skipped = walk_folder(Path(corpus), lambda name: name.startswith(".") or name == "__pycache__")
+        found = [folder / name for folder, names in folders for name in names if not name.startswith(".")]
     else:
         found = [Path(corpus)]
     _refuse_saved_dataset(corpus, found)
-    records = sorted(p for p in found if p.suffix.lower() in RECORD_SUFFIXES)
-    structured = any(p.suffix.lower() != ".txt" for p in records)
-    return records if structured else None
+    records = sorted(p for p in found if record_type(p) is not None)
+    if not any(record_type(p) != ".txt" for p in records):
+        return None  # read raw (which warns about skipped links itself)
+    _refuse_compressed_records(found)
+    warn_skipped_links(skipped)
+    return records
+
+
+def _refuse_compressed_records(found: Sequence[Path]) -> None:
+    """Refuse a compressed file beside records whose inner ending is a record type that is not read compressed
+    (``.jsonl.bz2``, ``.parquet.gz``, ``.txt.gz``): it would be left out without a word."""
+    inner = {suffix for suffix in RECORD_SUFFIXES if suffix.count(".") == 1}
+    for path in sorted(found):
+        if is_compressed(path) and record_type(path) is None and Path(path.stem).suffix.lower() in inner:
+            raise ValueError(
+                f"{CORPUS_FLAG}: {path} is compressed ({path.suffix}) and would not be read: records are read "
+                f"compressed from {COMPRESSED_RECORDS} files only; decompress it, or move it out of the corpus")
 
 
 _SAVED_DATASET = ("dataset_info.json", "state.json")
@@ -96,32 +151,73 @@ class RecordPart:
 
 
 def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart]:
-    """The records of ``files``, read with ``datasets`` (Arrow, memory-mapped, local files only): one part per
-    file type, or per file when files of one type have different fields (a chat file beside a text file)."""
+    """The records of ``files``, read with ``datasets`` (Arrow, memory-mapped, local files only), in the order of
+    ``files`` (sorted paths, whatever their types): one part per run of files of one type, or per file when files of
+    one type have different fields (a chat file beside a text file)."""
+    arrow = arrow_cache(files, cache_dir)
     parts = []
-    for suffix in sorted({p.suffix.lower() for p in files}):
-        chosen = [str(p) for p in files if p.suffix.lower() == suffix]
-        json_part = suffix in (".json", ".jsonl")
+    for suffix, chosen in _runs_of_one_type(files):
+        json_part = suffix in _JSON_TYPES
         if suffix != ".parquet":
             _refuse_non_utf8(chosen, cache_dir)
         _refuse_empty(suffix, chosen)
         try:
-            parts.append(RecordPart(_load(suffix, chosen, cache_dir), chosen, json_part))
+            parts.append(RecordPart(_load(suffix, chosen, arrow), chosen, json_part))
             continue
         except Exception as error:  # noqa: BLE001 - a file datasets cannot read: name it and the reason
             if len(chosen) == 1:
                 raise _cannot_read(suffix, chosen, error) from None
         for name in chosen:  # files of one type that do not read together: each on its own
             try:
-                parts.append(RecordPart(_load(suffix, [name], cache_dir), [name], json_part))
+                parts.append(RecordPart(_load(suffix, [name], arrow), [name], json_part))
             except Exception as error:  # noqa: BLE001
                 raise _cannot_read(suffix, [name], error) from None
+    _drop_other_versions(arrow)
     return parts
 
 
-def _load(suffix: str, files: list[str], cache_dir: Path) -> Any:
-    return datasets_library().load_dataset(_BUILDERS[suffix], data_files=files, split="train",
-                                           cache_dir=str(cache_dir / "datasets"), **_BUILDER_OPTIONS.get(suffix, {}))
+def _runs_of_one_type(files: Sequence[Path]) -> list[tuple[str, list[str]]]:
+    """``files`` in their order, cut where the type changes: ``(type, names)`` per run.
+
+    Example::
+
+        >>> _runs_of_one_type([Path("a.jsonl"), Path("b.jsonl"), Path("c.csv"), Path("d.jsonl")])
+        [('.jsonl', ['a.jsonl', 'b.jsonl']), ('.csv', ['c.csv']), ('.jsonl', ['d.jsonl'])]
+    """
+    runs: list[tuple[str, list[str]]] = []
+    for path in files:
+        kind = record_type(Path(path)) or Path(path).suffix.lower()
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(str(path))
+        else:
+            runs.append((kind, [str(path)]))
+    return runs
+
+
+def arrow_cache(files: Sequence[Path], cache_dir: Path) -> Path:
+    """``<cache_dir>/datasets/<files>/<version>``: where ``datasets`` keeps the Arrow tables of ``files``. ``<files>``
+    hashes their paths, ``<version>`` their sizes and modification times too: a file rewritten keeping its
+    modification time (``cp -p``, ``rsync -t``, ``tar -x``), which ``datasets``' own cache would take for the old one,
+    gets a new version when its size changed, as the records cache does."""
+    rows = []
+    for path in files:
+        stat = Path(path).stat()
+        rows.append([str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns])
+    names = hashlib.sha1(json.dumps([row[0] for row in rows]).encode("utf-8")).hexdigest()[:16]
+    version = hashlib.sha1(json.dumps(rows).encode("utf-8")).hexdigest()[:16]
+    return cache_dir / "datasets" / names / version
+
+
+def _drop_other_versions(arrow: Path) -> None:
+    """Remove the Arrow tables of the files' other versions (older ones: their files have changed since)."""
+    for other in arrow.parent.iterdir() if arrow.parent.is_dir() else ():
+        if other != arrow and other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def _load(suffix: str, files: list[str], arrow: Path) -> Any:
+    return datasets_library().load_dataset(_BUILDERS[suffix], data_files=files, split="train", cache_dir=str(arrow),
+                                           **_BUILDER_OPTIONS.get(suffix, {}))
 
 
 def _cannot_read(suffix: str, files: list[str], error: BaseException) -> ValueError:
@@ -151,13 +247,13 @@ def _holds_no_records(path: Path) -> bool:
     it whole). A file that is not what its suffix says is not told empty: reading it names what is wrong."""
     if _is_blank(path):
         return True
-    suffix = path.suffix.lower()
+    suffix = record_type(path) or path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_rows(path) == 0
-    if suffix == ".csv":
+    if suffix in (".csv", ".csv.gz"):
         return _csv_header_alone(path)
-    if suffix == ".json":
-        with open(path, "rb") as fh:
+    if suffix in (".json", ".json.gz"):
+        with _open_bytes(path) as fh:
             start = fh.read(1 << 12).removeprefix(codecs.BOM_UTF8).lstrip()
         return start.startswith(b"[") and start[1:].lstrip().startswith(b"]")
     return False
@@ -167,7 +263,7 @@ def _csv_header_alone(path: Path) -> bool:
     """Whether a CSV file holds its header row and nothing after it but blank lines (which pandas skips). The rows
     after the header are not parsed (a cell may be longer than the ``csv`` module takes): a line that is not blank
     is a record."""
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as fh:
+    with io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig", errors="replace", newline="") as fh:
         try:
             header = next(csv.reader(fh), None)
         except csv.Error:  # a header the csv module cannot take: reading it with datasets names the reason
@@ -236,15 +332,20 @@ def _type_name(feature: Any) -> str:
 def _refuse_non_utf8(files: Sequence[str], cache_dir: Path) -> None:
     """Refuse a JSON, CSV or text file that is not UTF-8 (Arrow keeps a JSON file's bytes, and decoding them fails
     while tokenizing; a text file would be read with U+FFFD in place of its bytes, and trained on), naming the file,
-    the line and the byte: the same for every record file of a corpus. A file found UTF-8 is marked under
-    ``<cache_dir>/utf8`` (by path, size and modification time), so a second fit does not read it again."""
+    the line and the byte (of its decompressed text, for a gzip'd file): the same for every record file of a corpus.
+    A file found UTF-8 is marked under ``<cache_dir>/utf8`` (by path, size and modification time), so a second fit
+    does not read it again."""
     for name in files:
         stat = Path(name).stat()
         key = hashlib.sha1(f"{Path(name).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
         mark = cache_dir / "utf8" / key
         if mark.is_file():
             continue
-        where = _first_non_utf8(Path(name))
+        try:
+            where = _first_non_utf8(Path(name))
+        except (OSError, EOFError) as error:  # a gzip'd file cut short or not gzip at all
+            raise ValueError(f"{CORPUS_FLAG}: {name} cannot be decompressed ({type(error).__name__}: {error}): "
+                             "give it whole, compressed with gzip, or decompressed") from None
         if where is None:
             mark.parent.mkdir(parents=True, exist_ok=True)
             mark.touch()
@@ -260,7 +361,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
     is all UTF-8 (decoded in large blocks; read line by line only when a block fails)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with open(path, "rb") as fh:
+        with _open_bytes(path) as fh:
             while block := fh.read(1 << 24):
                 decoder.decode(block)
         decoder.decode(b"", final=True)
@@ -268,7 +369,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
     except UnicodeDecodeError:
         pass
     offset = 0
-    with open(path, "rb") as fh:
+    with _open_bytes(path) as fh:
         for number, line in enumerate(fh, start=1):
             try:
                 line.decode("utf-8")
@@ -280,7 +381,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
 
 def _is_blank(path: Path) -> bool:
     """Whether ``path`` holds nothing but whitespace (read until its first other byte)."""
-    with open(path, "rb") as fh:
+    with _open_bytes(path) as fh:
         while chunk := fh.read(1 << 16):
             if chunk.strip():
                 return False
@@ -297,9 +398,9 @@ def _unreadable(files: Sequence[str], error: BaseException) -> str:
         if bad is not None:
             return (f"{name} is not UTF-8 text: line {bad[0]} (byte {bad[1]}) holds the byte 0x{bad[2]:02x}; convert "
                     "the file to UTF-8")
-        if Path(name).suffix.lower() != ".jsonl":
+        if record_type(Path(name)) not in _JSON_LINES:
             continue
-        with open(name, encoding="utf-8", errors="replace") as fh:
+        with io.TextIOWrapper(_open_bytes(Path(name)), encoding="utf-8", errors="replace") as fh:
             for number, line in enumerate(fh, start=1):
                 try:
                     if line.strip() and not isinstance(json.loads(line), dict):

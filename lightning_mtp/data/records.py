@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -55,10 +56,11 @@ from lightning_mtp.data.record_rows import PackedRows, PadCollator, RecordRows, 
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 
 TRAIN_ON = ("all", "assistant")
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 4
 """Bump when the split, tokenization or packing changes, so old caches are not reused (2: the split hashes each
 record's index with the seed, independent of the number of records; caches written privately, then renamed; 3: CSV
-cells such as "NA" or "null" are their text, no longer missing)."""
+cells such as "NA" or "null" are their text, no longer missing; 4: records in the order of their files' paths across
+file types, and the skipped records counted in ``meta.json``, warned on every load)."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,10 @@ def record_scores(count: int, seed: int) -> np.ndarray:
 def split_records(dataset: Any, val_fraction: float, seed: int) -> tuple[Any, Any]:
     """Deterministic train / validation records: a record is held out when its score (:func:`record_scores`, a hash
     of its index and the seed) is below ``val_fraction``, so appending records never moves an earlier one between the
-    splits. At least one record goes to each side: with none held out, the lowest score is; with all, the highest
-    is trained on (only tiny corpora need this, and only there can appending move that one record)."""
+    splits (the records of a corpus come in the order of their files' sorted paths, whatever their types, so a file
+    whose path sorts last only appends). At least one record goes to each side: with none held out, the lowest score
+    is; with all, the highest is trained on (only tiny corpora need this, and only there can appending move that one
+    record)."""
     train, val = split_positions(len(dataset), val_fraction, seed)
     return dataset.select(train), dataset.select(val)
 
@@ -239,7 +243,8 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     The splits are written into a folder private to this process beside ``folder`` and renamed into place when
     complete (:func:`~lightning_mtp.data.atomic.publish_folder`): runs sharing a cache directory (a sweep started
     from one folder) never write into the files another one reads; when another run finished first, its folder is
-    used and this one's dropped."""
+    used and this one's dropped. Records with nothing to train on are counted in ``meta.json``, and warned about
+    whenever the splits are loaded (:func:`_load_tokenized`), not only by the fit that tokenizes them."""
     if _tokenized(folder):
         return _load_tokenized(folder, chat, completion)
     train_on = settings.train_on or ("assistant" if chat or completion else "all")
@@ -256,9 +261,10 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
     # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
     stem = hashlib.sha1(folder.name.encode("utf-8")).hexdigest()[:16]
+    remove_stale_private(folder.parent)
     tmp = private_folder(folder)
     try:
-        kept = {}
+        kept, skipped = {}, {}
         for name, part in (("train", train), ("val", val)):
             mapped = part.map(encoders[name], batched=True, with_indices=True, remove_columns=part.column_names,
                               desc=f"tokenizing {name}",
@@ -266,12 +272,7 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
                               new_fingerprint=f"{stem}-{name}")
             mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"],
                                    batched=True, new_fingerprint=f"{stem}-{name}-nonempty")
-            if len(mapped) < len(part):
-                from lightning.pytorch.utilities import rank_zero_warn
-
-                rank_zero_warn(f"{CORPUS_FLAG}: {len(part) - len(mapped)} of {len(part)} {name} records have no "
-                               "token to train on and are skipped (empty texts or completions, or chats without an "
-                               "assistant turn)")
+            skipped[name] = [len(part) - len(mapped), len(part)]
             kept[name] = len(mapped)
             mapped.save_to_disk(str(tmp / name))
         for name, part, what, advice in (("train", train, "training", ""),
@@ -279,8 +280,8 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
             if kept[name] == 0:  # a fit without validation would say so only in Lightning's warnings
                 raise ValueError(f"{CORPUS_FLAG}: no {what} record has a token to train on (its {len(part)} "
                                  f"record(s) are empty texts, or chats without an assistant turn){advice}")
-        atomic_write(tmp / "meta.json",
-                     lambda fh: fh.write(json.dumps({"chat": chat, "train_on": train_on}).encode("utf-8")))
+        meta = {"chat": chat, "train_on": train_on, "skipped": skipped}
+        atomic_write(tmp / "meta.json", lambda fh: fh.write(json.dumps(meta).encode("utf-8")))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -293,9 +294,62 @@ def _tokenized(folder: Path) -> bool:
 
 
 def _load_tokenized(folder: Path, chat: bool, completion: bool = False) -> TokenizedRecords:
+    """The tokenized splits in ``folder``, warning about the records skipped when they were tokenized."""
+    _warn_skipped(json.loads((folder / "meta.json").read_text(encoding="utf-8")).get("skipped", {}))
     datasets = datasets_library()
     return TokenizedRecords(datasets.load_from_disk(str(folder / "train")),
                             datasets.load_from_disk(str(folder / "val")), chat, folder, completion)
+
+
+def _warn_skipped(skipped: dict[str, list[int]]) -> None:
+    """Warn (rank zero) about each split's records that have no token to train on (``{split: [skipped, total]}``)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    for name, (count, total) in skipped.items():
+        if count:
+            rank_zero_warn(f"{CORPUS_FLAG}: {count} of {total} {name} records have no token to train on and are "
+                           "skipped (empty texts or completions, or chats without an assistant turn)")
+
+
+_PRIVATE = re.compile(r"^\..+\.(\d+)-[^.]+\.(tmp|stale)$")
+"""The name of a folder or file :mod:`~lightning_mtp.data.atomic` writes privately: ``.<name>.<pid>-<random>.tmp``
+(or ``.stale``, one being removed); group 1 is the writer's pid."""
+
+
+def remove_stale_private(parent: Path) -> None:
+    """Remove the private folders and files in ``parent`` whose writer is gone (a build killed part-way, SIGKILL or
+    out of memory, never removes them): those of a process that is no longer running on this machine. (A process
+    of another machine writing into a shared cache folder has a pid this one cannot check: removed as well.)
+
+    Example::
+
+        >>> folder = getfixture("tmp_path")
+        >>> (folder / ".rows.999999999-abc.tmp").mkdir()
+        >>> remove_stale_private(folder)
+        >>> list(folder.iterdir())
+        []
+    """
+    if os.name != "posix" or not parent.is_dir():  # os.kill(pid, 0) tells a running process on POSIX only
+        return
+    for entry in parent.iterdir():
+        match = _PRIVATE.match(entry.name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process of ``pid`` is running (or may be: one of another user)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # none of that pid, or no pid at all
+        return False
+    except OSError:  # PermissionError: another user's
+        return True
+    return True
 
 
 class _TextEncoder:
@@ -385,6 +439,7 @@ class RecordCorpus:
         folder = cache_folder(self.files, tokenizer, self.settings, self.cache_dir)
         self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
                                           self.positions, self.completion)
+        remove_stale_private(folder)  # the packed rows' private folders of a killed build
         # padded by default for chats and prompt-completion records: packed, a record cut at a row's end would train
         # its answer's tail in the next row without its prompt
         self.packed = self.settings.packing if self.settings.packing is not None else not (self.chat or self.completion)
