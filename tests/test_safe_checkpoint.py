@@ -459,3 +459,64 @@ def test_a_fit_ended_by_max_steps_mid_epoch_and_extended_trains_the_rest_of_that
                               ckpt_path=str(tmp_path / "parts" / "ckpt" / "last.ckpt"))
     assert first.batches + then.batches == straight.batches  # (the weights differ: the cosine schedule's length did)
     assert trainer.global_step == 3 * per_epoch
+
+
+def test_a_stop_at_the_end_of_a_limited_epoch_resumes_with_the_next_epoch(tmp_path, uninterrupted):
+    """``limit_train_batches`` ends each pass early. A stop at a limited pass's last batch resumed that pass (the loader
+    measured it against its full length): the resumed epoch trained the batches the limit leaves out, and every later
+    epoch ran one pass behind (18 steps of 21 in the tester's run)."""
+    whole, straight = tmp_path / "whole", BatchLog()
+    trainer, reference, _ = fit(whole, uninterrupted[0], extra=[straight], max_steps=-1, max_epochs=3,
+                                limit_train_batches=3)
+    assert trainer.global_step == 9 and trainer.fit_loop.max_batches == 3
+    first, then = BatchLog(), BatchLog()
+    with pytest.raises(SystemExit):
+        fit(tmp_path / "parts", uninterrupted[0], extra=[first, SendSignal(3, signal.SIGTERM)], max_steps=-1,
+            max_epochs=3, limit_train_batches=3)
+    trainer, resumed, _ = fit(tmp_path / "parts", uninterrupted[0], extra=[then], max_steps=-1, max_epochs=3,
+                              limit_train_batches=3, ckpt_path=str(tmp_path / "parts" / "ckpt" / "last.ckpt"))
+    assert first.batches + then.batches == straight.batches
+    assert_same_weights(reference, resumed)
+
+
+def test_a_resume_refused_for_another_batch_size_leaves_last_ckpt_as_it_was(tmp_path, uninterrupted):
+    """A stop that skipped a validation resumes by running it first, which saved ``last.ckpt`` with the new batch size
+    before the loader refused it: the same resume tried again was accepted and trained rows twice."""
+    stop = tmp_path / "stopped"
+    with pytest.raises(SystemExit):
+        fit(stop, uninterrupted[0], extra=[SendSignal(2, signal.SIGTERM)], max_steps=-1, max_epochs=3,
+            val_check_interval=2)
+    last = stop / "ckpt" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["callbacks"] and saved["TextDataModule"]["train_loader"]["batches_yielded"] == 2
+
+    def resume_with_batch_size(size):
+        datamodule = TextDataModule(tokenizer="byte", seq_len=64, batch_size=size, max_bytes=3_000, val_fraction=0.2,
+                                    cache_dir=str(uninterrupted[0]))
+        model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64),
+                         MTPConfig(depth=2), learning_rate=3e-3, warmup_steps=3)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=2,
+                            check_val_every_n_epoch=None, max_epochs=3, default_root_dir=stop,
+                            callbacks=[SafeCheckpoint(dirpath=str(stop / "ckpt"), save_every_minutes=None)])
+        trainer.fit(model, datamodule, ckpt_path=str(last))
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"batch_size 8 -> 4"):
+            resume_with_batch_size(4)
+        assert torch.load(last, weights_only=False)["TextDataModule"] == saved["TextDataModule"]
+
+
+@pytest.mark.parametrize("setting, value", [("seed", 99), ("seq_len", 48)])
+def test_a_resume_of_ones_own_with_another_data_seed_or_seq_len_is_refused(tmp_path, uninterrupted, setting, value):
+    """The CLI refuses these on resume; ``Trainer.fit(ckpt_path=...)`` of one's own took them silently (with another
+    seed the tester's resumed epoch trained 46 rows twice and 46 never, and the validation split changed)."""
+    with pytest.raises(SystemExit):
+        fit(tmp_path, uninterrupted[0], extra=[SendSignal(2, signal.SIGTERM)])
+    datamodule = TextDataModule(**{"tokenizer": "byte", "seq_len": 64, "batch_size": 8, "max_bytes": 3_000,
+                                   "val_fraction": 0.2, "cache_dir": str(uninterrupted[0]), setting: value})
+    model = CausalLM(ModelConfig(vocab_size=258, dim=32, n_layers=1, n_heads=4, max_seq_len=64), MTPConfig(depth=2))
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        max_steps=STEPS, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=rf"--data\.{setting} .* -> {value}"):
+        trainer.fit(model, datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))

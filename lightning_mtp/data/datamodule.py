@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,7 +62,7 @@ from lightning_mtp.data.prompts import (
     read_numbered_prompts,
 )
 from lightning_mtp.data.record_files import record_files
-from lightning_mtp.data.records import TRAIN_ON, RecordCorpus, RecordSettings
+from lightning_mtp.data.records import TRAIN_ON, RecordCorpus, RecordSettings, remove_stale_private
 from lightning_mtp.data.tokenizer_choice import build_tokenizer
 from lightning_mtp.data.tokenizers import TOKENIZER_KINDS, BPETokenizer, Tokenizer, files_fingerprint
 
@@ -68,8 +70,15 @@ DATA_SETTINGS = ("tokenizer", "vocab_size", "corpus", "max_bytes", "seed", "val_
                  "batch_size", "text_field", "messages_field", "train_on", "packing")
 """The init arguments that decide which tokens a fit saw; a checkpoint records them (``tokenizer_record``)."""
 
-_TOKENS_FORMAT_VERSION = 2  # 2: a model folder's tokenizer gives raw documents its BOS
+STREAM_SETTINGS = ("seed", "seq_len", "val_fraction", "packing", "text_field", "messages_field", "train_on")
+"""The init arguments that decide which rows the training loader deals out and in which order (with the corpus,
+whose changes are warned, and the batch size and processes, which the loader checks): a resume must keep them."""
+
+_TOKENS_FORMAT_VERSION = 3  # 2: a model folder's tokenizer gives raw documents its BOS; 3: U+FFFD counts in meta
 """Bump when the token cache layout or the joining of files changes."""
+
+DEFAULT_SUFFIXES = (".py",)
+"""``--data.suffixes`` unset: a folder's Python files."""
 
 _FINGERPRINT_FILES = 2000
 """A checkpoint lists the corpus files up to this many (to name what changed on resume); beyond, their digest only."""
@@ -117,6 +126,26 @@ def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
     return ", ".join(parts) or "the files' order changed"
 
 
+def _write_probe(folder: Path) -> None:
+    """Create ``folder`` (and its parents) and a file in it, then remove the file; raises ``OSError`` when either
+    cannot be written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _unwritable_reason(folder: Path, error: OSError) -> str:
+    """Why ``folder`` cannot be written, in a few words: it (or a folder above it) is a file, or the system's reason
+    (read-only file system, permission denied)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder" if existing != folder else "it is a file, not a folder"
+    return error.strerror or type(error).__name__
+
+
 class TextDataModule(L.LightningDataModule):
     """A text corpus as windows of ``seq_len`` token ids: ``{"input_ids": LongTensor[B, seq_len]}`` batches.
 
@@ -127,10 +156,12 @@ class TextDataModule(L.LightningDataModule):
     (``corpus.UNDECODABLE_WARN_SHARE``).
 
     Args:
-        corpus: ``None`` uses the Python standard library's sources; else a file, folder or glob. ``.jsonl``,
-            ``.json``, ``.parquet`` and ``.csv`` files (and ``.txt`` files beside them) are read as records with
+        corpus: ``None`` uses the Python standard library's sources; else a file, folder (symlinked folders
+            followed) or glob. ``.jsonl``, ``.ndjson``, ``.json``, ``.parquet`` and ``.csv`` files, gzip'd
+            ``.jsonl.gz``, ``.json.gz`` and ``.csv.gz`` ones (and ``.txt`` files beside them) are read as records with
             ``datasets`` (:mod:`~lightning_mtp.data.records`: text or chat, packed or padded rows with labels); other
-            files (source code, ``.txt`` files alone) are read whole, joined by EOS and cut into windows.
+            files (source code, ``.txt`` files alone) are read whole, joined by EOS and cut into windows (a compressed
+            one is refused).
         tokenizer: ``"bpe"`` (byte-level BPE trained on the train split), ``"byte"`` (raw UTF-8 bytes), a local
             model folder or ``tokenizer.json`` (:mod:`~lightning_mtp.data.pretrained_tokenizer`), or ``None``: the
             model folder's own when the model is loaded from one (``HFCausalLM(pretrained=DIR)``), else ``"bpe"``.
@@ -139,11 +170,15 @@ class TextDataModule(L.LightningDataModule):
         batch_size: windows (or prompts) per batch.
         val_fraction: share of records (a record corpus) or of files held out for validation (a single raw file
             holds out its tail).
-        max_bytes: read at most this many corpus bytes (first files in sorted order), for quick runs.
-        cache_dir: where tokenizers and token ids are cached.
+        max_bytes: read at most this many corpus bytes (first files in sorted order), for quick runs; raw corpora
+            only: records are read whole (a record corpus with it set warns; cap a quick run with
+            ``--trainer.max_steps`` or ``--trainer.limit_train_batches``).
+        cache_dir: where tokenizers and token ids are cached; it must be a folder this process can write (else
+            refused naming ``--data.cache_dir``), a complete cache included.
         num_workers: ``DataLoader`` worker processes.
         seed: seeds the train/val split and the shuffling of training windows.
-        suffixes: file endings read when ``corpus`` is a directory; ``None`` reads every file.
+        suffixes: file endings read when ``corpus`` is a directory of raw files; ``None`` reads every file. A record
+            corpus reads its record files whatever they are (set otherwise, it warns).
         predict_prompts: a ``.txt`` / ``.jsonl`` prompts file for ``predict``; ``None`` takes prompts from the
             held-out data.
         num_predict_prompts: how many held-out windows give prompts when ``predict_prompts`` is ``None``.
@@ -170,7 +205,7 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str = ".cache/lightning_mtp",
         num_workers: int = 0,
         seed: int = 1234,
-        suffixes: Optional[tuple[str, ...]] = (".py",),
+        suffixes: Optional[tuple[str, ...]] = DEFAULT_SUFFIXES,
         predict_prompts: Optional[str] = None,
         num_predict_prompts: int = 8,
         prompt_tokens: int = 32,
@@ -242,6 +277,7 @@ class TextDataModule(L.LightningDataModule):
         self._train_loader: Optional[ResumableDataLoader] = None
         self._train_loader_state: Optional[dict[str, int]] = None
         self._corpus_state: Optional[dict[str, Any]] = None
+        self._cache_dir_checked = False
 
     # ----------------------------------------------------------------- corpus and tokenizer
 
@@ -266,6 +302,8 @@ class TextDataModule(L.LightningDataModule):
                     f"--data.tokenizer {kind}: the model is loaded from {folder!r}, which has its own "
                     f"tokenizer, and its embedding rows mean that tokenizer's ids, not {kind} ones: leave "
                     "--data.tokenizer unset (null: the model folder's tokenizer) or give the folder")
+            if self.tokenizer_kind == "bpe":
+                self.check_cache_dir()  # the BPE (and a record corpus's Arrow tables) are cached there
             if self.tokenizer_kind == "bpe" and self.records is not None:
                 self._tokenizer = BPETokenizer.train(self.records.files, self.requested_vocab_size, self.cache_dir,
                                                      texts=self.records.training_texts,
@@ -425,6 +463,7 @@ class TextDataModule(L.LightningDataModule):
         """
         if self._predicting_from_file():
             return
+        self.check_cache_dir()
         if self.records is not None:
             self.records.build(self.load_tokenizer(), self.num_proc)
             return
@@ -435,22 +474,47 @@ class TextDataModule(L.LightningDataModule):
         stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)  # TrainerFn: a str
         return self.predict_prompts is not None and stage == "predict"
 
+    def check_cache_dir(self) -> None:
+        """Refuse a ``--data.cache_dir`` this process cannot write (a file, under a file, read-only, not permitted),
+        naming it and why, before anything is read into it; checked once per object. A complete cache on a read-only
+        mount is refused too: ``datasets`` takes lock files even to read its tables."""
+        if self._cache_dir_checked:
+            return
+        try:
+            _write_probe(self.cache_dir)
+        except OSError as error:
+            reason = _unwritable_reason(self.cache_dir, error)
+            raise ValueError(
+                f"--data.cache_dir {str(self.cache_dir)!r} cannot be written: {reason}; the data caches (tokenizers, "
+                "Arrow tables, token ids) are written there, and read with lock files even when complete: give a "
+                "folder this process can write (copy a read-only cache there)") from None
+        self._cache_dir_checked = True
+
     def _prepare(self) -> Path:
+        """The token cache folder, tokenized first when missing; warns (each fit, cached or not) when many of the
+        corpus characters stand for bytes that are not UTF-8 (``meta.json`` keeps the counts and the warning)."""
         out = self.token_cache_dir()
-        if (out / "meta.json").is_file():
-            return out
+        if not (out / "meta.json").is_file():
+            self._tokenize_corpus(out)
+        undecodable = json.loads((out / "meta.json").read_text(encoding="utf-8")).get("undecodable") or {}
+        if undecodable.get("warning"):
+            rank_zero_warn(undecodable["warning"])
+        return out
+
+    def _tokenize_corpus(self, out: Path) -> None:
+        """Tokenize both splits into ``out`` (``train.npy``, ``val.npy``, then ``meta.json``, which marks it done)."""
         train, val = self.corpus_splits()
         tokenizer = self.load_tokenizer()
         out.mkdir(parents=True, exist_ok=True)
+        remove_stale_private(out)  # the private files of a build killed part-way
         counts = {}
         tally = UndecodableTally()
         for split, spans in (("train", train), ("val", val)):
             ids = tokenize_documents(read_tallied(spans, tally), tokenizer)
             atomic_write(out / f"{split}.npy", lambda fh, ids=ids: np.save(fh, ids))
             counts[split] = {"files": len(spans), "bytes": sum(s.nbytes for s in spans), "tokens": int(ids.size)}
-        warning = tally.warning(corpus_root(self.corpus))
-        if warning is not None:
-            rank_zero_warn(warning)
+        undecodable = {"chars": sum(tally.chars.values()), "replaced": sum(tally.replaced.values()),
+                       "warning": tally.warning(corpus_root(self.corpus))}
         meta = {
             "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
             "corpus": self.corpus,
@@ -459,9 +523,9 @@ class TextDataModule(L.LightningDataModule):
             "val_fraction": self.val_fraction,
             **counts,
             "val_files": [str(s.path) for s in val],
+            "undecodable": undecodable,
         }
         atomic_write(out / "meta.json", lambda fh: fh.write(json.dumps(meta, indent=1).encode("utf-8")))
-        return out
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Load the cached ids (preparing them first if needed) and build the window datasets; for ``"predict"`` read
@@ -477,7 +541,9 @@ class TextDataModule(L.LightningDataModule):
     def _setup_windows(self) -> None:
         if self.train_dataset is not None:
             return
+        self.check_cache_dir()
         if self.records is not None:
+            self._warn_raw_only_settings()
             self.records.build(self.load_tokenizer(), self.num_proc)
             self.train_dataset, self.val_dataset = self.records.train_rows, self.records.val_rows
             self._corpus_fingerprint()  # the files as they are now, for the checkpoint (a resume compares)
@@ -500,6 +566,19 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset = TokenWindowDataset(val, self.seq_len)
         self._corpus_fingerprint()
 
+    def _warn_raw_only_settings(self) -> None:
+        """Warn that ``--data.max_bytes`` and ``--data.suffixes`` (when set otherwise than their defaults) have no
+        effect on a record corpus, which is read whole."""
+        flags = [] if self.max_bytes is None else [f"--data.max_bytes {self.max_bytes}"]
+        if self.suffixes != DEFAULT_SUFFIXES:
+            flags.append(f"--data.suffixes {None if self.suffixes is None else list(self.suffixes)}")
+        if flags:
+            rank_zero_warn(
+                f"{' and '.join(flags)}: {'these apply' if len(flags) > 1 else 'it applies'} to raw corpora only, and "
+                f"{CORPUS_FLAG} {self.corpus!r} is records, read whole (every record of its "
+                f"{len(self.records.files)} record file(s)): for a quick run, cap the steps with --trainer.max_steps "
+                "or --trainer.limit_train_batches")
+
     # ----------------------------------------------------------------- loaders
 
     def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool = False, **kwargs: Any) -> DataLoader:
@@ -519,7 +598,8 @@ class TextDataModule(L.LightningDataModule):
         trainer = self.trainer  # the batches a step's gradient is accumulated over read together
         return ResumableDataLoader(dataset, sampler=EpochShuffleSampler(len(dataset), self.seed),
                                    generator=torch.Generator().manual_seed(self.seed),
-                                   accumulate=getattr(trainer, "accumulate_grad_batches", 1), **options)
+                                   accumulate=getattr(trainer, "accumulate_grad_batches", 1),
+                                   limit_batches=getattr(trainer, "limit_train_batches", None), **options)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled windows (seeded, a new order each pass); the last partial batch is dropped when there is at least
@@ -537,13 +617,30 @@ class TextDataModule(L.LightningDataModule):
         saves it in the checkpoint; it also saves the loader's position with the loop state, and keeping it here as
         well restores it when the loader is built before the loops are restored (``configure_optimizers`` asking
         ``trainer.estimated_stepping_batches``, Lightning #20550)."""
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"settings": self._stream_settings()}
         if self.train_dataset is not None:
             state["corpus"] = self._corpus_fingerprint()
         loader = self._iterated_train_loader()
         if loader is not None:
             state["train_loader"] = loader.state_dict()
         return state
+
+    def _stream_settings(self) -> dict[str, Any]:
+        """The settings that decide which rows the training loader deals out, and in which order."""
+        return {name: getattr(self.hparams, name, None) for name in STREAM_SETTINGS}
+
+    def _refuse_other_stream(self, saved: Optional[dict[str, Any]]) -> None:
+        """Refuse to resume a fit whose rows or their order these settings change (the loader's position would point
+        into another stream: rows trained twice, others never, another validation split). The CLI refuses them
+        before the fit starts; this is the same rule for a ``Trainer.fit(ckpt_path=...)`` of one's own."""
+        changed = [(name, saved[name], value) for name, value in self._stream_settings().items()
+                   if saved and name in saved and saved[name] != value]
+        if changed:
+            what = ", ".join(f"--data.{name} {old!r} -> {new!r}" for name, old, new in changed)
+            raise ValueError(
+                f"ckpt_path: the checkpoint's fit read its data with other settings ({what}): resumed, it would "
+                "continue on other rows than the ones it stopped in (some trained twice, others never). Resume with "
+                "the settings it was saved with, or start a new fit from its weights (init_from)")
 
     def _iterated_train_loader(self) -> Optional[ResumableDataLoader]:
         """The training loader being iterated: under DDP / FSDP the copy Lightning made with a distributed sampler
@@ -556,6 +653,8 @@ class TextDataModule(L.LightningDataModule):
         changed since the checkpoint was saved: the loader's position then points into other rows."""
         saved = state_dict.get("corpus")
         stage = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)  # TrainerFn: a str
+        if stage in (None, "fit"):
+            self._refuse_other_stream(state_dict.get("settings"))
         if isinstance(saved, dict) and stage in (None, "fit"):
             change = corpus_change(saved, self._corpus_fingerprint())
             if change is not None:

@@ -70,8 +70,10 @@ class ResumableDataLoader(DataLoader):
     Lightning saves the ``state_dict`` of stateful training loaders in the checkpoint and, on resume, calls
     ``load_state_dict`` before iterating: the resumed pass then yields exactly the batches the interrupted run had not
     reached. With an :class:`EpochShuffleSampler` the skipped windows are never read; with any other sampler (e.g. the
-    one DDP injects) they are read and dropped. A pass that is left unfinished (``limit_train_batches``) counts as done
-    when the next one starts, except across a resume from a checkpoint saved right at that point.
+    one DDP injects) they are read and dropped. ``limit_batches`` is the trainer's ``limit_train_batches`` (an int:
+    batches, a float: a fraction of the pass, as Lightning reads it): a pass that reached it is over, also across a
+    resume from a checkpoint saved right there, and any other pass left unfinished counts as done when the next one
+    starts.
 
     **Accumulation windows**: with ``accumulate`` > 1 (the trainer's ``accumulate_grad_batches``) the batches of a
     pass are read a window of ``accumulate`` ahead (batches ``w * accumulate`` to ``(w + 1) * accumulate - 1``, as
@@ -80,12 +82,14 @@ class ResumableDataLoader(DataLoader):
     scored tokens each batch holds.
     """
 
-    def __init__(self, *args: Any, accumulate: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, accumulate: int = 1, limit_batches: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.accumulate = max(int(accumulate), 1)
+        self.limit_batches = limit_batches
         self._epoch = 0  # the pass being (or about to be) iterated
         self._yielded = 0  # batches of that pass handed out so far
         self._resuming = False
+        self._saved_pass = 0  # batches of the pass a restored state was saved in (load_state_dict)
         self._windows: dict[int, tuple[int, list]] = {}  # window -> (its first batch's number, its batches)
 
     def __iter__(self):
@@ -93,7 +97,7 @@ class ResumableDataLoader(DataLoader):
         # Lightning may call them) still applies.
         if self._resuming:
             self._resuming = False
-            if self._yielded >= len(self):
+            if self._yielded >= self._saved_pass:  # the saved pass had ended
                 self._epoch, self._yielded = self._epoch + 1, 0
             elif self._yielded:
                 self._check_same_layout()
@@ -141,13 +145,29 @@ class ResumableDataLoader(DataLoader):
         first, batches = held
         return batches if limit is None else batches[: max(limit - first, 0)]
 
+    def pass_length(self) -> int:
+        """The batches a pass yields: all, or the first ``limit_batches`` (Lightning's reading of the limit)."""
+        length, limit = len(self), self.limit_batches
+        if limit is None or isinstance(limit, bool):
+            return length
+        if isinstance(limit, int):
+            return min(length, limit)
+        return int(length * limit)
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batches_yielded": self._yielded, **self._layout()}
+        if self._resuming:  # restored and not iterated yet (a validation that runs first may save): as restored
+            return {"epoch": self._epoch, "batches_yielded": self._yielded, "pass_batches": self._saved_pass,
+                    **self._layout(), **self._saved_layout}
+        return {"epoch": self._epoch, "batches_yielded": self._yielded, "pass_batches": self.pass_length(),
+                **self._layout()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._epoch = int(state_dict.get("epoch", 0))
         self._yielded = int(state_dict.get("batches_yielded", 0))
         self._saved_layout = {key: int(state_dict[key]) for key in self._layout() if key in state_dict}
+        # the batches the saved pass had (its batch size, processes and limit); a pass that had ended resumes at the
+        # next, whatever it holds now
+        self._saved_pass = int(state_dict.get("pass_batches", self.pass_length()))
         self._resuming = True
 
     def _layout(self) -> dict[str, int]:
