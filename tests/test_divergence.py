@@ -164,3 +164,11 @@ def test_per_depth_losses_keep_their_precision_when_the_default_dtype_is_bfloat1
         torch.set_default_dtype(torch.float32)
     assert depth_losses.dtype == torch.float32
     torch.testing.assert_close(depth_losses, expected)
+
+
+def test_resuming_a_float32_fit_under_bf16_true_is_refused_naming_the_flag(tmp_path, capsys):
+    """The float32 weights and AdamW states were rounded to bfloat16 without a word (the next checkpoint bfloat16)."""
+    main(tiny_fit_args(tmp_path, "--trainer.max_steps", "2"))
+    err = cli_refusal(tiny_fit_args(tmp_path, "--trainer.max_steps", "4", "--trainer.precision", "bf16-true",
+                                    "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")), capsys)
+    assert "--trainer.precision bf16-true: the checkpoint's weights are float32" in err

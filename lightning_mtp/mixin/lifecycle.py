@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mtp import checkpointing
@@ -150,9 +151,35 @@ class MTPLifecycle:
         super().on_load_checkpoint(checkpoint)
         self.require_mtp_modules()
         fitting = self._trainer is not None and self.trainer.training
+        if fitting:
+            refuse_rounding_resume(str(self.trainer.precision), checkpoint.get("state_dict") or {})
         self.mtp_load_report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=fitting)
         # Only a resumed fit continues the old schedule; loading for predict/validate or into a new fit does not.
         checkpointing.restore_runtime_state(self, checkpoint, schedule=fitting)
         self._mtp_active_depth_restored = fitting
         if checkpoint.get(checkpointing.TOKENIZER_KEY):
             self.bind_mtp_tokenizer(checkpoint[checkpointing.TOKENIZER_KEY], "the checkpoint")
+
+
+_NARROW_PRECISIONS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+"""Trainer precisions that keep the weights themselves in 16 bits."""
+
+
+def refuse_rounding_resume(precision: str, state_dict: dict) -> None:
+    """Refuse to resume, under a precision that keeps 16-bit weights, a fit whose weights are mostly wider (trained
+    under ``32-true`` or a mixed precision): its weights and optimizer states would be rounded to 16 bits without a
+    word. (A few wider tensors, such as MoE routers kept in float32, do not decide.)"""
+    narrow = _NARROW_PRECISIONS.get(precision)
+    if narrow is None:
+        return
+    sizes: dict[torch.dtype, int] = {}
+    for value in state_dict.values():
+        if isinstance(value, torch.Tensor) and torch.is_floating_point(value):
+            sizes[value.dtype] = sizes.get(value.dtype, 0) + value.numel()
+    saved = max(sizes, key=sizes.get, default=narrow)
+    if saved.itemsize > narrow.itemsize:
+        raise ValueError(
+            f"--trainer.precision {precision}: the checkpoint's weights are {str(saved).replace('torch.', '')} (a fit "
+            f"under 32-true or a mixed precision); resuming would round them and the optimizer's states to "
+            f"{str(narrow).replace('torch.', '')}. Resume with the precision it was trained with, or start a new fit "
+            "from its weights with --model.init_args.init_from")
