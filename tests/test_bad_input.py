@@ -556,3 +556,17 @@ def test_a_value_a_union_refuses_names_every_accepted_kind(tmp_path, capsys, fla
     named only the first, so 'auto' or 'bf16-mixed' seemed refused."""
     err = cli_refusal(tiny_fit_args(tmp_path, *flags), capsys)
     assert re.search(message, err), err
+
+
+def test_mtp_modules_of_another_dtype_than_the_head_are_refused_by_name():
+    """Heads cast to float32 over a bfloat16 model failed inside torch ("expected m1 and m2 to have the same dtype",
+    "Expected query, key, and value to have the same dtype")."""
+    model = tiny_model(depth=2).to(torch.bfloat16)
+    model.mtp_modules.float()
+    ids = torch.randint(3, 61, (2, 12))
+    with pytest.raises(ValueError, match=r"compute_lm_loss: the MTP modules' weights are torch.float32 but the "
+                                         r"model's output head is torch.bfloat16"):
+        model.compute_lm_loss(ids)
+    with pytest.raises(ValueError, match="speculative decoding: the MTP modules' weights are torch.float32"):
+        model.generate(ids[:1], 4, speculative=True)
+    assert model.generate(ids[:1], 4, speculative=False).new_tokens.shape == (1, 4)  # plain decoding needs no heads

@@ -74,6 +74,7 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     if config.speculative is False:
         return None, None
     modules = module.require_mtp_modules()
+    module.mtp_check_dtypes("speculative decoding")
     depth = len(modules)
     trees = supports_trees(host) and module.mtp_config.layout != "native"  # native blocks draft chains only
     widest = max(getattr(config.tree_shape(depth), "branching", None) or [0])

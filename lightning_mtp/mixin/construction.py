@@ -82,6 +82,21 @@ class MTPConstruction:
             self.configure_model()
         return self.mtp_modules
 
+    def mtp_check_dtypes(self, caller: str) -> None:
+        """Refuse MTP modules whose weights are of another dtype than the output head's (heads cast to float32 over a
+        bfloat16 trunk): the loss and the drafter's caches failed inside torch with "expected m1 and m2 to have the
+        same dtype". (A few tensors kept wider on purpose, such as MoE routers, do not decide.)"""
+        sizes: dict[torch.dtype, int] = {}
+        for parameter in self.require_mtp_modules().parameters():
+            if parameter.is_floating_point():
+                sizes[parameter.dtype] = sizes.get(parameter.dtype, 0) + parameter.numel()
+        head = self.mtp_output_head().weight.dtype
+        modules = max(sizes, key=sizes.get, default=head)
+        if modules != head:
+            raise ValueError(f"{caller}: the MTP modules' weights are {modules} but the model's output head is {head}: "
+                             f"cast the whole model to one dtype (model.to({head})), or let the trainer's precision "
+                             "do it")
+
     # ----------------------------------------------------------------- forward
     def mtp_depth_head_weight(self, depth: int) -> Tensor:
         """(V, H) output weight used by ``depth`` (0 = the trunk's own head)."""

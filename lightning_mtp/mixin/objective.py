@@ -196,6 +196,7 @@ class MTPObjective:
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
             raise ValueError(f"compute_mtp_loss: hidden must be the trunk's floating-point (B, T, H) states, got "
                              f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
+        self.mtp_check_dtypes("compute_mtp_loss")
         self.mtp_whole_root()
         return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
 
@@ -211,6 +212,7 @@ class MTPObjective:
         the batch) and no target crosses a document boundary.
         """
         check_loss_inputs(input_ids, labels, position_ids)
+        self.mtp_check_dtypes("compute_lm_loss")
         self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the trunk and every depth
         with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
             hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
