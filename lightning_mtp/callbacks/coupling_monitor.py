@@ -311,9 +311,17 @@ class MTPCouplingMonitor(TeacherForcedCallback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        metrics = [*self.means.items(), *self.calibration.items()]
+        updated = torch.tensor([float(metric.update_count > 0) for _, metric in metrics], device=pl_module.device)
+        if trainer.world_size > 1:  # every rank computes (a collective) what any rank saw; the others add nothing
+            updated = trainer.strategy.reduce(updated, reduce_op="max")
+            for (name, metric), anywhere in zip(metrics, updated.tolist()):
+                if anywhere and not metric.update_count:
+                    empty = torch.zeros(0, device=pl_module.device)
+                    metric.update(*((empty,) if name in self.means else (empty, empty.long())))
         values = {}
-        for name, metric in [*self.means.items(), *self.calibration.items()]:
-            if metric.update_count:
+        for (name, metric), anywhere in zip(metrics, updated.tolist()):
+            if anywhere:
                 values[name] = metric.compute()  # synchronised across ranks by torchmetrics
         if values:
             # equal on every rank already: a max over them changes no bit (Lightning warns of unsynced epoch values)

@@ -46,7 +46,13 @@ from lightning_mtp.data.corpus import (
     plan_splits,
 )
 from lightning_mtp.data.documents import read_tallied, tokenize_documents
-from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader, TokenWindowDataset
+from lightning_mtp.data.loading import (
+    EpochShuffleSampler,
+    PaddingMarkedSampler,
+    ResumableDataLoader,
+    TokenWindowDataset,
+    UnscoredPadding,
+)
 from lightning_mtp.data.pretrained_tokenizer import (
     check_tokenizer_path,
     is_tokenizer_path,
@@ -690,9 +696,18 @@ class TextDataModule(L.LightningDataModule):
         return self._corpus_state
 
     def val_dataloader(self) -> DataLoader:
-        """All held-out windows, in order."""
+        """All held-out windows, in order. On several processes each takes every world-size-th row, and the padding
+        that evens their shares out scores nothing (:class:`PaddingMarkedSampler`): Lightning's own sampler repeats
+        the first rows there, which the token-weighted ``val/`` means then counted twice."""
         self.setup("validate")
-        return self._loader(self.val_dataset, shuffle=False)
+        trainer = self.trainer
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if trainer is None or trainer.world_size <= 1 or not getattr(connector, "use_distributed_sampler", True):
+            return self._loader(self.val_dataset, shuffle=False)
+        rows = UnscoredPadding(self.val_dataset)
+        kwargs = {} if self.records is None else {"collate_fn": self.records.collate(self.val_dataset, self.pad_id)}
+        return self._loader(rows, shuffle=False, sampler=PaddingMarkedSampler(rows, trainer.world_size,
+                                                                                trainer.global_rank), **kwargs)
 
     def test_dataloader(self) -> DataLoader:
         """Same as ``val_dataloader`` (the corpus has no separate test split)."""

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 
 class TokenWindowDataset(Dataset):
@@ -189,3 +189,40 @@ class ResumableDataLoader(DataLoader):
             f"are dealt out differently now ({what}): skipping {self._yielded} batches would train some rows twice "
             "and others never. Resume with the settings it was saved with, or from a checkpoint saved at the end of "
             "an epoch")
+
+
+class UnscoredPadding(Dataset):
+    """``rows`` with every row carrying ``labels`` (``input_ids`` where it has none), and indices past the end
+    (:class:`PaddingMarkedSampler`'s padding) giving row 0 with nothing scored (every label ``ignore_index``).
+
+    Example::
+
+        >>> rows = UnscoredPadding(TokenWindowDataset(np.arange(8, dtype=np.uint16), seq_len=4))
+        >>> rows[1]["labels"].tolist(), rows[2]["labels"].tolist()
+        ([4, 5, 6, 7], [-100, -100, -100, -100])
+    """
+
+    def __init__(self, rows: Dataset, ignore_index: int = -100) -> None:
+        self.rows, self.ignore_index = rows, ignore_index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        padding = index >= len(self.rows)
+        row = dict(self.rows[0 if padding else index])
+        labels = row.get("labels", row["input_ids"])
+        row["labels"] = torch.full_like(labels, self.ignore_index) if padding else torch.as_tensor(labels).clone()
+        return row
+
+
+class PaddingMarkedSampler(DistributedSampler):
+    """``DistributedSampler`` in order, whose padding (the rows that make every process's share equal) are indices
+    past the dataset's end, which :class:`UnscoredPadding` scores as nothing: a validation's token-weighted means
+    count every row once, where the stock sampler repeats the first rows (they were counted twice under DDP)."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        return iter(range(self.rank, self.total_size, self.num_replicas))
