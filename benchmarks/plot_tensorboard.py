@@ -20,8 +20,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the one run under ``log_dir`` (its event files, a resumed fit's several among them); a folder
+    holding several runs (``version_0``, ``version_1``... of separate fits) is refused: their steps would be drawn as
+    one zigzagging line."""
+    files = sorted(log_dir.rglob("events.out.tfevents.*"))
+    runs = sorted({str(f.parent) for f in files})
+    if len(runs) > 1:
+        raise SystemExit(f"{log_dir} holds {len(runs)} runs ({', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''})"
+                         ": give one of them")
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for event_file in sorted(log_dir.rglob("events.out.tfevents.*")):
+    for event_file in files:
         accumulator = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
@@ -53,7 +61,7 @@ def plot(series: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dir", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/mtp_curves.png"))
+    parser.add_argument("--out", type=Path, default=Path("mtp_curves.png"))
     args = parser.parse_args()
     series = read_scalars(args.log_dir)
     if not series:

@@ -96,3 +96,22 @@ def test_gpu_check_renderer_names_failed_steps_and_how_the_roofline_was_timed(re
     roofline["rows"][0]["one_token_call_ms"] = 30.0
     text = "\n".join(report.render_gpu_check(report.Source("gpu_check.json", summary)))
     assert "1 row: steps timed by difference" in text
+
+
+def test_plot_tensorboard_reads_one_run_and_refuses_a_folder_of_several(tmp_path):
+    """Two fits' ``version_0`` / ``version_1`` were read as one series sorted by step: a zigzag of both runs."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    spec = importlib.util.spec_from_file_location("plot_tensorboard", os.path.join(REPO, "benchmarks",
+                                                                                   "plot_tensorboard.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for version, steps in (("version_0", range(0, 4)), ("version_0", range(4, 6)), ("version_1", range(0, 3))):
+        writer = SummaryWriter(str(tmp_path / "logs" / version))  # version_0 twice: a resumed fit's second file
+        for step in steps:
+            writer.add_scalar("train/main/loss", 10.0 - step, step)
+        writer.close()
+    series = module.read_scalars(tmp_path / "logs" / "version_0")
+    assert [step for step, _ in series["train/main/loss"]] == list(range(6))
+    with pytest.raises(SystemExit, match="holds 2 runs"):
+        module.read_scalars(tmp_path / "logs")

@@ -192,7 +192,8 @@ class MTPCouplingMonitor(TeacherForcedCallback):
     - ``val/mtp/js_depth{k}``: Jensen-Shannon divergence (nats) between depths k and k+1 (k < D);
     - ``val/mtp/accept_depth{k}``: how often depth k's argmax at i equals the main model's argmax at i+k (greedy
       acceptance of draft k, unconditional);
-    - ``val/mtp/accept_chained_depth{k}``: the same given depths 1..k-1 matched too (draft k is reached);
+    - ``val/mtp/accept_chained_depth{k}``: the share of positions where drafts 1..k all match (the joint rate, as
+      ``predict``'s ``acceptance_per_depth``; over depth k-1's it is the rate given depths 1..k-1 matched);
     - ``val/mtp/tau_draft{n}``: expected tokens per main-model forward with n drafts, n = 1..D, counting the bonus
       token: τ_n = mean over positions of 1 + Σ_{j ≤ n} chained_j;
     - ``val/mtp/tau_walk_draft{n}``: the same, but averaged over the positions where greedy decoding would start its
