@@ -122,3 +122,16 @@ def test_state_round_trip_and_defaults():
     again.load_state_dict({})
     assert (again.tokens_seen, again.tokens_at_step, again.last_step) == (0, 0, -1)
     assert schedule.state_key != MTPWeightSchedule(unit="steps", loss_weight=0.3).state_key
+
+
+def test_token_unit_counts_the_tokens_of_padded_rows_not_their_padding(make_tiny_model):
+    """Padded chat rows counted their padding as tokens: a schedule in tokens ran ahead by the padding's share."""
+    model = make_tiny_model(depth=2)
+    ids = torch.randint(0, 61, (16, 16))
+    mask = (torch.arange(16) < torch.arange(4, 20).clamp(max=16).unsqueeze(1)).long()  # rows of 4..16 tokens
+    rows = [{"input_ids": i, "attention_mask": m} for i, m in zip(ids, mask)]
+    schedule = MTPWeightSchedule(schedule="step", unit="tokens", milestones={0: 0.3, 10_000: 0.1})
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[schedule])
+    trainer.fit(model, DataLoader(rows, batch_size=4))
+    assert schedule.tokens_seen == int(mask.sum()) < mask.numel()

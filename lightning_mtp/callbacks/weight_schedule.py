@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -16,6 +17,7 @@ from lightning_mtp.callbacks._base import (
     require_mtp_module,
 )
 from lightning_mtp.callbacks.schedules import KINDS, ScalarSchedule
+from lightning_mtp.mixin.batches import batch_mask
 
 UNITS = ("steps", "tokens")
 
@@ -157,7 +159,7 @@ class MTPWeightSchedule(MTPCallback):
         if trainer.global_step != self.last_step:  # first micro-batch of an optimizer step
             self.last_step = trainer.global_step
             self.tokens_at_step = self.tokens_seen
-        self.tokens_seen += batch_input_ids(batch).numel() * trainer.world_size
+        self.tokens_seen += batch_tokens(trainer, batch)
         loss_weight, depth_weights = self.weights_at(self.counter())
         self.current_loss_weight = loss_weight
         pl_module.mtp_loss_weight = loss_weight
@@ -190,3 +192,13 @@ class MTPWeightSchedule(MTPCallback):
             rank_zero_warn(f"MTPWeightSchedule: resumed with other arguments than the checkpoint's fit ({saved[0]}); "
                            f"its position ({self.tokens_seen} tokens, step {self.last_step}) continues, and λ and the "
                            "per-depth weights follow the new arguments from there")
+
+
+def batch_tokens(trainer: L.Trainer, batch: Any) -> int:
+    """The tokens of this micro-batch on every process: its ``attention_mask``'s ones (right padding is not a token
+    trained on), or all its ids; summed over the processes (their batches may be padded to other widths)."""
+    mask = batch_mask(batch)
+    tokens = mask.sum() if mask is not None else torch.tensor(batch_input_ids(batch).numel())
+    if trainer.world_size > 1:
+        tokens = trainer.strategy.reduce(tokens.to(trainer.strategy.root_device, torch.long), reduce_op="sum")
+    return int(tokens)
