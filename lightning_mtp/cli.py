@@ -198,14 +198,17 @@ class MTPLightningCLI(LightningCLI):
             found = [c for c in found if not (c[0] == "data.tokenizer" and (c[1] is None or (
                 isinstance(c[1], str) and Path(c[1]).name == "tokenizer.json"
                 and ckpt_rules.same(str(Path(c[1]).parent), c[2]))))]
-        if strict:
-            found += ckpt_rules.conflicts(ckpt_rules.data_settings(record, defaults), current, given)
-        if found:
-            advice = (f"The weights were trained with the tokenizer {record.get('name')}; lightning-mtp uses it when "
-                      "--data.init_args.tokenizer and --data.init_args.vocab_size are null or left unset")
-            if strict:
-                advice += "; a resumed fit also keeps the data it was trained on"
-            raise ValueError(ckpt_rules.describe_conflicts(found, source, advice))
+        data_found = ckpt_rules.conflicts(ckpt_rules.data_settings(record, defaults), current, given) if strict else []
+        if found or data_found:
+            advice = []
+            if found:
+                advice.append(f"The weights were trained with the tokenizer {record.get('name')}; lightning-mtp uses "
+                              "it when --data.init_args.tokenizer and --data.init_args.vocab_size are null or left "
+                              "unset")
+            if data_found:
+                advice.append("A resumed fit keeps the data settings it was trained with: drop the flag to resume, or "
+                              "start a new fit from its weights with --model.init_args.init_from")
+            raise ValueError(ckpt_rules.describe_conflicts(found + data_found, source, "; ".join(advice)))
         taken = ckpt_rules.data_settings(record, ckpt_rules.TOKENIZER_SETTINGS + tuple(defaults))
         if record.get("kind") not in ("bpe", "byte"):  # a model folder's: rebuilt from the record, not the path
             taken.pop("data.tokenizer", None)

@@ -108,6 +108,8 @@ def test_resume_refuses_other_data(trained, tmp_path, capsys):
     err = cli_refusal(tiny_fit_args(tmp_path, "--ckpt_path", str(ckpt), "--trainer.max_steps", "5",
                                     "--model.init_args.mtp.depth", "2", "--data.init_args.max_bytes", "60000"), capsys)
     assert "--data.init_args.max_bytes is 60000, but the checkpoint has 120000" in err
+    # the advice is about the data: the tokenizer's (the first words, before) confused a seed or seq_len change
+    assert "keeps the data settings it was trained with" in err and "trained with the tokenizer" not in err
 
 
 def test_resume_continues_with_the_checkpoints_depth(trained, tmp_path):
