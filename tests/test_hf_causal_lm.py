@@ -325,6 +325,21 @@ def test_cache_that_cannot_roll_back_names_the_model_class():
         model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4)
 
 
+def test_a_sliding_window_longer_than_the_context_is_named_with_its_remedy_and_warned_at_fit(tmp_path):
+    """transformers' default Mistral window (4096) over a 128-token context never drops a token, but the cache is a
+    sliding one: decoding was refused without a remedy, after a fit that said nothing."""
+    torch.manual_seed(0)
+    model = HFCausalLM("mistral", dict(CONFIGS["llama"], sliding_window=4096), mtp=MTPConfig(depth=2))
+    with pytest.warns(UserWarning, match="this model trains, but its decoding .* will be refused"):
+        _fit(model, tmp_path)
+    with pytest.raises(TypeError, match=r"sliding window \(4096 tokens\) is no shorter than its context \(128\).*"
+                                        r"sliding_window: null"):
+        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4)
+    full = HFCausalLM("mistral", dict(CONFIGS["llama"], sliding_window=None), mtp=MTPConfig(depth=2))
+    full.configure_model()
+    assert full.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4, speculative=True).new_tokens.shape == (1, 4)
+
+
 def test_compile_option_names_its_limit_on_a_transformers_host(models):
     with pytest.raises(ValueError, match="compile .*supports the bundled CausalLM"):
         models["llama"].generate(torch.tensor([[4, 5, 6]]), max_new_tokens=4, compile=True)
@@ -569,3 +584,48 @@ def test_a_bfloat16_folder_trains_in_float32_weights_unless_the_precision_says_o
     trainer = _fit(model, tmp_path)
     assert {state["exp_avg"].dtype for state in trainer.optimizers[0].state.values()} == {torch.float32}
     assert all(not torch.equal(model.mtp_state_dict()[k], v) for k, v in norms.items())  # 1e-4 steps land
+
+
+def test_drafts_deeper_than_d_near_a_learned_position_limit_are_refused_not_a_crash():
+    """GPT-2's positions end at n_positions: the budget left room for D verified drafts, and draft_tokens 4 (or a
+    tree deeper than D + 1) verified past it (IndexError in its position embedding)."""
+    torch.manual_seed(0)
+    model = HFCausalLM("gpt2", dict(CONFIGS["gpt2"], n_positions=40, bos_token_id=1, eos_token_id=None),
+                       mtp=MTPConfig(depth=2))
+    model.configure_model()
+    model.eval()
+    prompt = torch.randint(4, VOCAB, (1, 20))
+    out = model.generate(prompt, 18, speculative=True)  # 20 + 18 = max_context: D verified past it fit
+    assert out.new_tokens.shape == (1, 18)
+    for options in ({"draft_tokens": 4}, {"draft_tree": [2, 2, 2, 1]}):
+        with pytest.raises(ValueError, match="exceeds the model's context of 36 tokens"):
+            model.generate(prompt, 18, speculative=True, **options)
+        assert model.generate(prompt, 16, speculative=True, **options).new_tokens.shape == (1, 16)
+
+
+def test_trees_on_an_alibi_model_are_refused_naming_it_and_chains_decode():
+    """Bloom builds its ALiBi biases from a 2-D attention mask: a tree's 4-D mask failed inside transformers
+    ("too many values to unpack"), a traceback on the command line."""
+    torch.manual_seed(0)
+    model = HFCausalLM("bloom", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
+                                     eos_token_id=None, pad_token_id=0), mtp=MTPConfig(depth=2))
+    model.configure_model()
+    model.eval()
+    prompt = torch.randint(4, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="BloomForCausalLM builds its ALiBi biases from a 2-D attention mask"):
+        model.generate(prompt, 8, speculative=True, draft_tree=[2, 1])
+    reference = model.trunk.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                     max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, 8, speculative=True).sequences, reference)
+
+
+def test_a_family_that_names_its_context_otherwise_is_held_to_it():
+    """MPT's context is max_seq_len: it fell back to 4096, so a prompt past it was accepted and failed inside the
+    model ("The size of tensor a (161) must match the size of tensor b (160)")."""
+    torch.manual_seed(0)
+    model = HFCausalLM("mpt", dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=40,
+                                   bos_token_id=1, eos_token_id=None, pad_token_id=0), mtp=MTPConfig(depth=2))
+    assert model.max_positions == 40
+    model.configure_model()
+    with pytest.raises(ValueError, match="exceeds the model's context of 38 tokens"):
+        model.generate(torch.randint(4, VOCAB, (1, 30)), 10, speculative=False)

@@ -317,7 +317,9 @@ def generate(module: torch.nn.Module, input_ids: Tensor, max_new_tokens: int, *,
                         and not config.adaptive_draft_tokens)
         host, drafter, fused_step = compile_decoding(module, host, drafter, fixed_greedy)
     prompts, lengths = prepare_prompts(input_ids, attention_mask, host.vocab_size, device)
-    check_budget(lengths, config.max_new_tokens, host.max_context)
+    # a host leaves room for D verified positions past its budget; a deeper tree or chain verifies more
+    deeper = drafter.max_drafts - len(module.require_mtp_modules()) if isinstance(drafter, MTPTreeDrafter) else 0
+    check_budget(lengths, config.max_new_tokens, host.max_context - max(deeper, 0))
     if sync_ranks and config.draft_confidence_threshold is not None and speculative:
         raise ValueError(
             "draft_confidence_threshold (--model.generation.draft_confidence_threshold) cannot be used when decoding "

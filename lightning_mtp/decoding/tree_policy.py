@@ -92,9 +92,10 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
             return chain_drafter(module), None
         if not trees:
             raise ValueError(
-                f"{type(host).__name__} cannot verify draft trees or chains longer than the MTP depth D={depth} "
-                "(draft_tree / draft_tree_nodes / draft_tokens > D need a host with forward_tree and keep_path, e.g. "
-                "the bundled CausalLM); use draft_tokens <= D, or speculative='auto'"
+                f"{getattr(host, 'tree_refusal', None) or type(host).__name__}: it cannot verify draft trees or "
+                f"chains longer than the MTP depth D={depth} (draft_tree / draft_tree_nodes / draft_tokens > D need a "
+                "host with forward_tree and keep_path, e.g. the bundled CausalLM); use draft_tokens <= D, or "
+                "speculative='auto'"
             )
         return MTPTreeDrafter(module, shape.depth), FixedTree(shape)
     if sync_ranks or config.chain_options():  # a chain-only option, or every rank must draft the same
@@ -105,8 +106,9 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
         return chain_drafter(module), None
     requested = config.tree_shape(depth)
     if requested is not None and not trees:
-        raise ValueError(f"{type(host).__name__} cannot verify draft trees (draft_tree / draft_tree_nodes / "
-                         f"draft_tokens > D={depth}); leave them unset with speculative='auto'")
+        raise ValueError(f"{getattr(host, 'tree_refusal', None) or type(host).__name__}: it cannot verify draft "
+                         f"trees (draft_tree / draft_tree_nodes / draft_tokens > D={depth}); leave them unset with "
+                         "speculative='auto'")
     # Chains of 1..D by the chain drafter, and of D + 1 for cascaded modules (the last module re-applied: it paid on
     # the quickstart model, docs/decoding.md).
     beyond = int(module.mtp_config.architecture == "cascaded" and module.mtp_config.layout != "native")

@@ -53,7 +53,7 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_mtp import checkpointing
@@ -82,6 +82,11 @@ from lightning_mtp.sharded import is_dtensor
 
 TRUNK_PREFIX = "trunk."
 HEADS_ONLY_KEY = checkpointing.HEADS_ONLY_KEY
+
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length",
+                  "n_ctx")
+"""The names ``transformers`` configs give the model's context, the first found read."""
+
 
 class HFCausalLM(MTPMixin, L.LightningModule):
     """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
@@ -274,6 +279,13 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         """The model's own scaling / soft-capping of its LM head's output (:func:`logit_transform_of`)."""
         return self._logit_transform
 
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        try:
+            new_rollbackable_cache(self.trunk)
+        except TypeError as error:  # the fit is fine; say now what predict will say after it
+            rank_zero_warn(f"this model trains, but its decoding (predict, generate) will be refused: {error}")
+
     def mtp_decoding_host(self) -> HFCacheHost:
         self.require_mtp_modules()
         new_rollbackable_cache(self.trunk)  # refuse non-rollbackable caches before decoding starts
@@ -282,8 +294,14 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     # ----------------------------------------------------------------- trunk
     @property
     def max_positions(self) -> int:
+        """The model's context: its config's ``max_position_embeddings`` or a family's own name for it (GPT-2's
+        ``n_positions``, MPT's ``max_seq_len``...); 4096 for a model that has none (ALiBi: Bloom)."""
         cfg = self.trunk.config.get_text_config()
-        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 4096)
+        for name in CONTEXT_FIELDS:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return 4096
 
     def mtp_pad_token_id(self) -> Optional[int]:
         """The checkpoint tokenizer's pad id, else the model's own ``generation_config.pad_token_id``."""

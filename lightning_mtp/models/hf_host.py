@@ -69,10 +69,16 @@ def new_rollbackable_cache(model: nn.Module) -> Any:
     cache = DynamicCache(config=model.config)
     kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if kinds or not hasattr(cache, "crop"):
+        config = model.config.get_text_config()
+        window, context = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+        wide = ("" if not (window and context and window >= context) else
+                f" Its sliding window ({window} tokens) is no shorter than its context ({context}), so it attends to "
+                "every token anyway: give its config sliding_window: null (--model.init_args.config.sliding_window "
+                "null, or in the folder's config.json) and it is decoded as full attention.")
         raise TypeError(
             f"{type(model).__name__} uses a KV cache that lightning-mtp cannot roll back (layer types: "
-            f"{', '.join(kinds) or type(cache).__name__}); speculative decoding needs full-attention DynamicLayer "
-            "caches (DynamicCache.crop). Sliding-window, linear-attention and recurrent caches are not supported."
+            f"{', '.join(kinds) or type(cache).__name__}); decoding needs full-attention DynamicLayer caches "
+            "(DynamicCache.crop). Sliding-window, linear-attention and recurrent caches are not supported." + wide
         )
     return cache
 
@@ -98,6 +104,11 @@ class HFCacheHost:
         self.vocab_size = int(self.head.out_features)
         self.max_context = int(max_context)
         self._cache_arg = _cache_argument(self.trunk)
+        config = model.config.get_text_config()
+        if config.model_type == "bloom" or getattr(config, "alibi", False) is True:  # (Bloom, Falcon with alibi)
+            # its ALiBi biases are built from a 2-D attention mask: a tree's 4-D mask cannot be given
+            self.tree_refusal = f"{type(model).__name__} builds its ALiBi biases from a 2-D attention mask"
+            self.forward_tree = None
         self.logit_transform = logit_transform
 
     def allocate(self, batch_size: int, max_len: int) -> HFDecodeState:
