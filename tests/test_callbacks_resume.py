@@ -180,3 +180,45 @@ def test_a_pass_saved_part_way_is_refused_on_another_number_of_processes_or_batc
     at_end = ResumableDataLoader(data, batch_size=4, sampler=EpochShuffleSampler(40, seed=0))
     at_end.load_state_dict({**state, "batches_yielded": 0})  # an epoch's start: nothing to skip, taken
     assert len(next(iter(at_end))) == 4
+
+
+def test_a_pass_saved_at_its_end_is_refused_where_a_pass_holds_more_batches_now():
+    """An epoch's end of 2 processes resumed on 1: Lightning's restored loop goes on with that epoch from its batch
+    N, over the next pass's first batches, and the next pass's others were never trained (the fit exited 0). Where
+    a pass holds fewer batches now (1 -> 2 processes) the next epoch starts whole."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_mtp.data.loading import EpochShuffleSampler, ResumableDataLoader
+
+    data = torch.arange(40)
+    two = ResumableDataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=0))
+    assert len(list(two)) == 5
+    state = {**two.state_dict(), "epoch": 0, "batches_yielded": 5}  # saved at that pass's last batch
+    one = ResumableDataLoader(data, batch_size=4, sampler=EpochShuffleSampler(40, seed=0))
+    one.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved at the end of an epoch of 5 batches, and an epoch holds 10 now "
+                                         r"\(processes 2 -> 1\)"):
+        next(iter(one))
+    single = ResumableDataLoader(data, batch_size=4, sampler=EpochShuffleSampler(40, seed=0))
+    assert len(list(single)) == 10
+    shared = ResumableDataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=0))
+    shared.load_state_dict({**single.state_dict(), "epoch": 0, "batches_yielded": 10})
+    assert len(list(shared)) == 5  # the next pass, whole
+
+
+def test_the_data_modules_saved_position_reaches_the_loader_lightning_iterates(tmp_path):
+    """FSDP2 and DeepSpeed restore the checkpoint after Lightning made its copy of the training loader (with the
+    distributed sampler) and skip their own loader restore (Lightning #20550): the position went to the data module's
+    own loader, which never runs, and the resumed epoch started over (rows trained twice, others never)."""
+    from types import SimpleNamespace
+
+    from lightning_mtp.data import TextDataModule
+
+    data = TextDataModule(tokenizer="byte", seq_len=32, batch_size=2, max_bytes=20_000, cache_dir=str(tmp_path))
+    iterated = data.train_dataloader()  # Lightning's copy (under DDP / FSDP2 / DeepSpeed: with its sampler)
+    own = data.train_dataloader()  # the data module's own, built last (configure_optimizers' step estimate)
+    assert own is not iterated
+    data.trainer = SimpleNamespace(train_dataloader=iterated, state=SimpleNamespace(fn="fit"))
+    data.load_state_dict({"train_loader": {"epoch": 1, "batches_yielded": 3, "pass_batches": len(own),
+                                           "processes": 1, "batch_size": 2}})
+    assert iterated.state_dict()["epoch"] == 1 and iterated.state_dict()["batches_yielded"] == 3

@@ -670,8 +670,9 @@ class TextDataModule(L.LightningDataModule):
                     "than it would have (an exact resume is impossible), and the validation split may differ; "
                     "resume on the checkpoint's files for an exact resume")
         self._train_loader_state = state_dict.get("train_loader")
-        if self._train_loader is not None and self._train_loader_state is not None:
-            self._train_loader.load_state_dict(self._train_loader_state)
+        loader = self._iterated_train_loader()  # (FSDP2 / DeepSpeed restore after Lightning made its copy: that one)
+        if loader is not None and self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
 
     def corpus_fingerprint(self) -> dict[str, Any]:
         """The corpus files the rows are made of, as the caches key them: each file's path (relative to the corpus

@@ -98,6 +98,7 @@ class ResumableDataLoader(DataLoader):
         if self._resuming:
             self._resuming = False
             if self._yielded >= self._saved_pass:  # the saved pass had ended
+                self._check_pass_not_longer()
                 self._epoch, self._yielded = self._epoch + 1, 0
             elif self._yielded:
                 self._check_same_layout()
@@ -175,6 +176,21 @@ class ResumableDataLoader(DataLoader):
         size. (A corpus that changed is warned by the data module, not refused: records may be appended.)"""
         return {"processes": int(getattr(self.sampler, "num_replicas", 1)), "batch_size": int(self.batch_size or 1)}
 
+    def _check_pass_not_longer(self) -> None:
+        """A pass that had ended after ``_yielded`` batches, resumed where a pass holds more (fewer processes, a
+        smaller batch or a larger ``limit_train_batches``): Lightning's restored loop continues that epoch from its
+        batch ``_yielded`` with the next pass's batches, and that pass's others are never trained. Refused."""
+        now = self.pass_length()
+        if self._yielded < now:
+            saved, layout = getattr(self, "_saved_layout", {}), self._layout()
+            what = ", ".join(f"{key} {saved[key]} -> {layout[key]}" for key in saved if saved[key] != layout[key])
+            raise ValueError(
+                f"--ckpt_path: the checkpoint was saved at the end of an epoch of {self._yielded} batches, and an "
+                f"epoch holds {now} now ({what or 'limit_train_batches'}): the resumed fit would continue that epoch "
+                f"with {now - self._yielded} batches of the next and never train the next's others. Resume with the "
+                "processes (--trainer.devices), batch size (--data.batch_size) and limit_train_batches it was saved "
+                "with, or start a new fit from its weights (--model.init_args.init_from)")
+
     def _check_same_layout(self) -> None:
         """A pass resumed part-way skips the batches it had yielded: only with the rows dealt out as before does that
         land where the interrupted pass stopped (else rows are trained twice and others skipped)."""
@@ -187,8 +203,8 @@ class ResumableDataLoader(DataLoader):
         raise ValueError(
             f"--ckpt_path: the checkpoint was saved {self._yielded} batches into an epoch, and the rows of that epoch "
             f"are dealt out differently now ({what}): skipping {self._yielded} batches would train some rows twice "
-            "and others never. Resume with the settings it was saved with, or from a checkpoint saved at the end of "
-            "an epoch")
+            "and others never. Resume with the settings it was saved with, or start a new fit from its weights "
+            "(--model.init_args.init_from)")
 
 
 class UnscoredPadding(Dataset):
