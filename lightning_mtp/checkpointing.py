@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_mtp.sharded import gathered_weights, load_state_dict_whole, state_shapes
+from lightning_mtp.sharded import gathered_weights, is_fsdp2_module, load_state_dict_whole, state_shapes
 
 CHECKPOINT_KEY = "mtp"
 TOKENIZER_KEY = "tokenizer"
@@ -68,6 +68,7 @@ def mtp_metadata(module: Any) -> dict:
         "depth_weights": [float(w) for w in module.mtp_depth_weights],
         "active_depth": int(module.mtp_active_depth),
         "draft_temperatures": [float(t) for t in module.mtp_draft_temperatures],
+        "fsdp2": is_fsdp2_module(module),  # how the optimizer state is laid out (FSDP2Strategy.load_checkpoint)
         **trunk_config(module),
     }
 

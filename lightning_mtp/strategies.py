@@ -97,6 +97,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         absent = getattr(module, "mtp_keys_not_saved", None)
         path = Path(str(checkpoint_path))
+        if path.is_file() and self.lightning_module.trainer.state.fn == "fit":
+            refuse_unstepped_parameters(torch.load(path, mmap=True, map_location="cpu", weights_only=True), path)
         if absent is None or not path.is_file() or not module.strict_loading:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
@@ -121,6 +123,28 @@ class FSDP2Strategy(ModelParallelStrategy):
                                 "fully_shard in its configure_model and use Lightning's ModelParallelStrategy")
             module.mtp_fully_shard()
         super().setup(trainer)
+
+
+def refuse_unstepped_parameters(checkpoint: dict, path: Path) -> None:
+    """Refuse to resume under FSDP2 a checkpoint whose optimizer state FSDP2 cannot take: one saved without FSDP2
+    (DDP's or one process's state did not map onto the shards: "The size of tensor a (48) must match the size of
+    tensor b (96)"), or one that holds no state for some of its parameters (never stepped: depths ``MTPDepthWarmup``
+    had not activated yet; torch's sharded optimizer load requires every one, and a load that skips them was
+    measured not to resume exactly; DDP resumes such a checkpoint exactly)."""
+    if (checkpoint.get("mtp") or {}).get("fsdp2") is False and checkpoint.get("optimizer_states"):
+        raise ValueError(
+            f"--ckpt_path {str(path)!r} was saved without FSDP2 (DDP or one process), and its optimizer state does "
+            "not map onto FSDP2's shards: resume it with the strategy it was saved with (--trainer.strategy), or "
+            "start a new fit from its weights (--model.init_args.init_from)")
+    for optimizer in checkpoint.get("optimizer_states") or []:
+        listed = [index for group in optimizer.get("param_groups") or [] for index in group.get("params", [])]
+        unstepped = len(set(listed) - set(optimizer.get("state") or {}))
+        if unstepped:
+            raise ValueError(
+                f"--ckpt_path {str(path)!r}: its optimizer has no state yet for {unstepped} parameters (never "
+                "stepped: MTP depths a warmup had not activated yet), which FSDP2 cannot resume. Resume this "
+                "checkpoint with --trainer.strategy ddp_find_unused_parameters_true (exact; the same processes), "
+                "and go back to FSDP2 from a checkpoint saved once every depth trains")
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):

@@ -324,3 +324,29 @@ def test_the_config_layers_on_a_model_config(capsys):
     assert config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] is False
     assert str(config["trainer"]["devices"]) == "4"
     assert config["model"]["class_path"] == "lightning_mtp.models.CausalLM"
+
+
+def test_a_checkpoint_with_parameters_never_stepped_is_refused_under_fsdp2_naming_the_exact_way(tmp_path):
+    """A depth MTPDepthWarmup had not activated has no AdamW state: FSDP2's load failed with torch's "Missing
+    optimizer state for parameter 'mtp_modules.1.eh_proj.weight'" (a traceback; the fit could not be continued), and a
+    load that skips them did not resume exactly (3e-3 off); DDP resumes it exactly."""
+    from lightning_mtp.strategies import refuse_unstepped_parameters
+
+    stepped = {"optimizer_states": [{"state": {0: {}, 1: {}}, "param_groups": [{"params": [0, 1]}]}]}
+    refuse_unstepped_parameters(stepped, tmp_path / "last.ckpt")
+    warming = {"optimizer_states": [{"state": {0: {}}, "param_groups": [{"params": [0]}, {"params": [1, 2]}]}]}
+    with pytest.raises(ValueError, match=r"no state yet for 2 parameters .*--trainer.strategy "
+                                         r"ddp_find_unused_parameters_true"):
+        refuse_unstepped_parameters(warming, tmp_path / "last.ckpt")
+
+
+def test_a_checkpoint_saved_without_fsdp2_is_refused_for_an_fsdp2_resume(tmp_path, fsdp2_run):
+    """A DDP checkpoint resumed under FSDP2 failed in torch's optimizer load ("The size of tensor a (48) must match
+    the size of tensor b (96)"); the checkpoints record how their optimizer state is laid out."""
+    from lightning_mtp.strategies import refuse_unstepped_parameters
+
+    sharded = torch.load(fsdp2_run / "step4.ckpt", weights_only=True)
+    assert sharded["mtp"]["fsdp2"] is True
+    refuse_unstepped_parameters(sharded, tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match="was saved without FSDP2 .*--trainer.strategy"):
+        refuse_unstepped_parameters({**sharded, "mtp": {**sharded["mtp"], "fsdp2": False}}, tmp_path / "last.ckpt")
