@@ -1,9 +1,11 @@
 """``transformers`` decoding against lightning-mtp's self-speculative decoding, on the same HF model, in one run.
 
 1. Train a tiny ``transformers`` Llama (through :class:`~lightning_mtp.models.HFCausalLM`, next-token loss only) on
-   the default corpus (``TextDataModule``, byte tokenizer) for ``--trunk-seconds``, and ``save_pretrained`` it.
+   the default corpus (``TextDataModule``, byte tokenizer) for ``--trunk-steps`` optimizer steps, and
+   ``save_pretrained`` it.
 2. Retrofit: load it back with ``from_pretrained``, freeze the trunk and train only D MTP heads for
-   ``--heads-seconds``.
+   ``--heads-steps``. Steps, not seconds: the same command rebuilds the same model on any machine (a time box
+   trained a faster machine's model longer, and its greedy output, which decides what drafting is worth, changed).
 3. Decode the same held-out prompts (batch 1, greedy, no EOS: every run emits ``--max-new-tokens``) with
    - ``transformers`` greedy ``generate``;
    - ``transformers`` prompt-lookup decoding (``generate(prompt_lookup_num_tokens=...)``);
@@ -22,7 +24,7 @@ within each repeat, median over repeats: it cancels the machine's drift between 
 Usage::
 
     python benchmarks/hf_compare.py                                          # default: about 4 minutes on 2 CPU cores
-    python benchmarks/hf_compare.py --trunk-seconds 20 --heads-seconds 10 --prompts 2   # smoke test
+    python benchmarks/hf_compare.py --trunk-steps 40 --heads-steps 20 --prompts 2       # smoke test
     python benchmarks/hf_compare.py --model-dir .cache/lightning_mtp/hf_compare    # train once, then reuse
 """
 
@@ -51,10 +53,10 @@ from lightning_mtp.data import TextDataModule  # noqa: E402
 from lightning_mtp.models import HFCausalLM  # noqa: E402
 
 
-def fit(model: HFCausalLM, data: TextDataModule, seconds: float) -> dict:
+def fit(model: HFCausalLM, data: TextDataModule, steps: int) -> dict:
     import lightning as L
 
-    trainer = L.Trainer(accelerator="cpu", max_time={"seconds": seconds}, max_steps=-1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, gradient_clip_val=1.0)
     start = time.perf_counter()
@@ -70,8 +72,8 @@ def prompts_from(data: TextDataModule, count: int, length: int) -> list[torch.Te
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trunk-seconds", type=float, default=120.0)
-    parser.add_argument("--heads-seconds", type=float, default=60.0)
+    parser.add_argument("--trunk-steps", type=int, default=600, help="next-token training of the trunk")
+    parser.add_argument("--heads-steps", type=int, default=250, help="the MTP heads alone, on the frozen trunk")
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=48)
@@ -97,12 +99,17 @@ def main(argv: list[str] | None = None) -> dict:
                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
     saved = args.model_dir / "heads.pt" if args.model_dir is not None else None
-    if saved is not None and saved.exists():
+    stored = torch.load(saved, weights_only=True) if saved is not None and saved.exists() else None
+    if stored is not None and (stored["trunk_training"]["steps"], stored["heads_training"]["steps"],
+                               stored.get("depth", 3)) != (args.trunk_steps, args.heads_steps, args.depth):
+        print(f"{args.model_dir} holds a model trained otherwise ({stored['trunk_training']['steps']} trunk and "
+              f"{stored['heads_training']['steps']} heads steps, depth {stored.get('depth', 3)}): training anew")
+        stored = None
+    if stored is not None:
         pretrained = args.model_dir / "tiny-llama"
         model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
                            attn_implementation="sdpa")
         model.configure_model()  # builds the MTP modules, which the stored state fills
-        stored = torch.load(saved, weights_only=True)
         model.load_state_dict(stored["state_dict"])
         trunk_info, heads_info = stored["trunk_training"], stored["heads_training"]
         print(f"reusing the model trained earlier in {args.model_dir}")
@@ -110,17 +117,17 @@ def main(argv: list[str] | None = None) -> dict:
         # 1. The "already trained" HF model: next-token loss only (λ = 0; the one MTP depth is discarded).
         trunk_model = HFCausalLM("llama", llama, mtp=MTPConfig(depth=1, loss_weight=0.0), learning_rate=3e-3,
                                  warmup_steps=20, attn_implementation="sdpa")
-        trunk_info = fit(trunk_model, data, args.trunk_seconds)
+        trunk_info = fit(trunk_model, data, args.trunk_steps)
         pretrained = (args.model_dir or Path(tempfile.mkdtemp())) / "tiny-llama"
         trunk_model.trunk.save_pretrained(pretrained)
 
         # 2. Retrofit: heads only, on the frozen from_pretrained trunk.
         model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
                            learning_rate=3e-3, warmup_steps=20, attn_implementation="sdpa")
-        heads_info = fit(model, data, args.heads_seconds)
+        heads_info = fit(model, data, args.heads_steps)
         if saved is not None:
             torch.save({"state_dict": model.state_dict(), "trunk_training": trunk_info,
-                        "heads_training": heads_info}, saved)
+                        "heads_training": heads_info, "depth": args.depth}, saved)
     model.eval()
     hf = model.trunk
 

@@ -188,7 +188,7 @@ def render_decode(source: Source) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- hf_compare.py
-HF_COMPARE_ARGS = ("trunk_seconds", "heads_seconds", "depth", "prompts", "prompt_tokens", "max_new_tokens",
+HF_COMPARE_ARGS = ("trunk_steps", "heads_steps", "depth", "prompts", "prompt_tokens", "max_new_tokens",
                    "prompt_lookup", "repeats", "max_bytes", "threads", "model_dir")
 
 
