@@ -233,12 +233,12 @@ def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path):
 
 
 def test_a_cache_dir_that_cannot_be_written_is_refused_naming_the_flag(tmp_path, monkeypatch):
-    import lightning_mtp.data.datamodule as datamodule
+    import lightning_mtp.data.cache_dir as cache_dir
 
     def read_only(folder):
         raise OSError(errno.EROFS, "Read-only file system", str(folder))
 
-    monkeypatch.setattr(datamodule, "_write_probe", read_only)
+    monkeypatch.setattr(cache_dir, "write_probe", read_only)
     corpus = write_jsonl(tmp_path / "a.jsonl", [f"record {i}" for i in range(20)])
     with pytest.raises(ValueError, match=r"^--data.cache_dir .*cache.* cannot be written: Read-only file system"):
         byte_dm(corpus, tmp_path / "cache").setup("fit")

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +34,7 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.atomic import atomic_write
+from lightning_mtp.data.cache_dir import check_writable
 from lightning_mtp.data.corpus import (
     CORPUS_FLAG,
     FileSpan,
@@ -130,26 +129,6 @@ def corpus_change(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:
         how = (f"{old[first][1]} -> {new[first][1]} bytes" if old[first][1] != new[first][1] else "modified")
         parts.append(f"{len(changed)} changed (first {first}: {how})")
     return ", ".join(parts) or "the files' order changed"
-
-
-def _write_probe(folder: Path) -> None:
-    """Create ``folder`` (and its parents) and a file in it, then remove the file; raises ``OSError`` when either
-    cannot be written."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
-    os.close(fd)
-    os.unlink(probe)
-
-
-def _unwritable_reason(folder: Path, error: OSError) -> str:
-    """Why ``folder`` cannot be written, in a few words: it (or a folder above it) is a file, or the system's reason
-    (read-only file system, permission denied)."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        return f"{str(existing)!r} is a file, not a folder" if existing != folder else "it is a file, not a folder"
-    return error.strerror or type(error).__name__
 
 
 class TextDataModule(L.LightningDataModule):
@@ -484,17 +463,9 @@ class TextDataModule(L.LightningDataModule):
         """Refuse a ``--data.cache_dir`` this process cannot write (a file, under a file, read-only, not permitted),
         naming it and why, before anything is read into it; checked once per object. A complete cache on a read-only
         mount is refused too: ``datasets`` takes lock files even to read its tables."""
-        if self._cache_dir_checked:
-            return
-        try:
-            _write_probe(self.cache_dir)
-        except OSError as error:
-            reason = _unwritable_reason(self.cache_dir, error)
-            raise ValueError(
-                f"--data.cache_dir {str(self.cache_dir)!r} cannot be written: {reason}; the data caches (tokenizers, "
-                "Arrow tables, token ids) are written there, and read with lock files even when complete: give a "
-                "folder this process can write (copy a read-only cache there)") from None
-        self._cache_dir_checked = True
+        if not self._cache_dir_checked:
+            check_writable(self.cache_dir)
+            self._cache_dir_checked = True
 
     def _prepare(self) -> Path:
         """The token cache folder, tokenized first when missing; warns (each fit, cached or not) when many of the

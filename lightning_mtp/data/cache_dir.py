@@ -1,0 +1,48 @@
+"""The cache folder (``--data.cache_dir``) must be one this process can write: checked before anything is read into
+it, with a message naming the flag and why (a file, under a file, a read-only file system, permission denied).
+
+Example::
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> check_writable(Path(tempfile.mkdtemp()) / "cache")  # created, writable: no error
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write a file in it; a ``ValueError`` naming ``--data.cache_dir`` when either
+    fails. A complete cache on a read-only mount is refused too: ``datasets`` takes lock files even to read its
+    tables."""
+    try:
+        write_probe(folder)
+    except OSError as error:
+        raise ValueError(
+            f"--data.cache_dir {str(folder)!r} cannot be written: {unwritable_reason(folder, error)}; the data caches "
+            "(tokenizers, Arrow tables, token ids) are written there, and read with lock files even when complete: "
+            "give a folder this process can write (copy a read-only cache there)") from None
+
+
+def write_probe(folder: Path) -> None:
+    """Create ``folder`` (and its parents) and a file in it, then remove the file; raises ``OSError`` when either
+    cannot be written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def unwritable_reason(folder: Path, error: OSError) -> str:
+    """Why ``folder`` cannot be written, in a few words: it (or a folder above it) is a file, or the system's reason
+    (read-only file system, permission denied)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder" if existing != folder else "it is a file, not a folder"
+    return error.strerror or type(error).__name__
