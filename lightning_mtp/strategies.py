@@ -97,11 +97,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         absent = getattr(module, "mtp_keys_not_saved", None)
         path = Path(str(checkpoint_path))
-        if path.is_file() and self.lightning_module.trainer.state.fn == "fit":
-            refuse_unstepped_parameters(torch.load(path, mmap=True, map_location="cpu", weights_only=True), path)
-        if absent is None or not path.is_file() or not module.strict_loading:
+        if not path.is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)  # (read once, mapped)
+        if module.trainer.state.fn == "fit":
+            refuse_unstepped_parameters(checkpoint, path)
+        if absent is None or not module.strict_loading:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         allowed = absent(checkpoint)
         if not allowed:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

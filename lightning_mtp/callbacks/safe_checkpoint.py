@@ -97,6 +97,7 @@ class SafeCheckpoint(ModelCheckpoint):
         self._validation_skipped = False  # the stop skipped a validation (due at its step, or under way): saved
         self._validate_first = False  # restored from a checkpoint whose stop skipped one: run it before training
         self._finishing = False  # a stop came at the fit's last step: its last validation runs, then the fit ends
+        self._at_train_end = False  # the save at the fit's end is being written (on_save_checkpoint)
         self._at_step = True  # the last training batch ended an optimizer step (not inside an accumulation window)
         self._save_pending = False  # a save fell inside an accumulation window: made at the window's step
 
@@ -199,7 +200,7 @@ class SafeCheckpoint(ModelCheckpoint):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        if getattr(self, "_at_train_end", False) and _pass_unfinished(trainer):
+        if self._at_train_end and _pass_unfinished(trainer):
             _epoch_in_progress(checkpoint)
 
     @override

@@ -159,7 +159,8 @@ class MTPWeightSchedule(MTPCallback):
         if trainer.global_step != self.last_step:  # first micro-batch of an optimizer step
             self.last_step = trainer.global_step
             self.tokens_at_step = self.tokens_seen
-        self.tokens_seen += batch_tokens(trainer, batch)
+        if self.unit == "tokens":  # (a count summed over the processes: a collective, only where it is read)
+            self.tokens_seen += batch_tokens(trainer, batch)
         loss_weight, depth_weights = self.weights_at(self.counter())
         self.current_loss_weight = loss_weight
         pl_module.mtp_loss_weight = loss_weight

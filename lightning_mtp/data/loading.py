@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from lightning_mtp.data.record_rows import IGNORE_INDEX
+
 
 class TokenWindowDataset(Dataset):
     """Non-overlapping windows of ``seq_len`` ids over a 1-D id array; a trailing partial window is dropped.
@@ -90,6 +92,7 @@ class ResumableDataLoader(DataLoader):
         self._yielded = 0  # batches of that pass handed out so far
         self._resuming = False
         self._saved_pass = 0  # batches of the pass a restored state was saved in (load_state_dict)
+        self._saved_layout: dict[str, int] = {}  # and how its rows were dealt out
         self._windows: dict[int, tuple[int, list]] = {}  # window -> (its first batch's number, its batches)
 
     def __iter__(self):
@@ -182,7 +185,7 @@ class ResumableDataLoader(DataLoader):
         batch ``_yielded`` with the next pass's batches, and that pass's others are never trained. Refused."""
         now = self.pass_length()
         if self._yielded < now:
-            saved, layout = getattr(self, "_saved_layout", {}), self._layout()
+            saved, layout = self._saved_layout, self._layout()
             what = ", ".join(f"{key} {saved[key]} -> {layout[key]}" for key in saved if saved[key] != layout[key])
             raise ValueError(
                 f"--ckpt_path: the checkpoint was saved at the end of an epoch of {self._yielded} batches, and an "
@@ -194,7 +197,7 @@ class ResumableDataLoader(DataLoader):
     def _check_same_layout(self) -> None:
         """A pass resumed part-way skips the batches it had yielded: only with the rows dealt out as before does that
         land where the interrupted pass stopped (else rows are trained twice and others skipped)."""
-        saved, now = getattr(self, "_saved_layout", {}), self._layout()
+        saved, now = self._saved_layout, self._layout()
         changed = [key for key in saved if saved[key] != now[key]]
         if not changed:
             return
@@ -218,7 +221,7 @@ class UnscoredPadding(Dataset):
         ([4, 5, 6, 7], [-100, -100, -100, -100])
     """
 
-    def __init__(self, rows: Dataset, ignore_index: int = -100) -> None:
+    def __init__(self, rows: Dataset, ignore_index: int = IGNORE_INDEX) -> None:
         self.rows, self.ignore_index = rows, ignore_index
 
     def __len__(self) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, Optional
+
 import torch
 from torch import Tensor, nn
 
@@ -86,12 +89,8 @@ class MTPConstruction:
         """Refuse MTP modules whose weights are of another dtype than the output head's (heads cast to float32 over a
         bfloat16 trunk): the loss and the drafter's caches failed inside torch with "expected m1 and m2 to have the
         same dtype". (A few tensors kept wider on purpose, such as MoE routers, do not decide.)"""
-        sizes: dict[torch.dtype, int] = {}
-        for parameter in self.require_mtp_modules().parameters():
-            if parameter.is_floating_point():
-                sizes[parameter.dtype] = sizes.get(parameter.dtype, 0) + parameter.numel()
         head = self.mtp_output_head().weight.dtype
-        modules = max(sizes, key=sizes.get, default=head)
+        modules = dominant_dtype(self.require_mtp_modules().parameters()) or head
         if modules != head:
             raise ValueError(f"{caller}: the MTP modules' weights are {modules} but the model's output head is {head}: "
                              f"cast the whole model to one dtype (model.to({head})), or let the trainer's precision "
@@ -135,3 +134,19 @@ def check_block_spec(spec: dict, host: str) -> dict:
     if n_kv is not None and n_heads % n_kv:
         raise ValueError(f"{host}: the MTP blocks' {n_kv} key/value heads must divide their {n_heads} heads")
     return spec
+
+
+def dominant_dtype(tensors: Iterable[Any]) -> Optional[torch.dtype]:
+    """The floating dtype that holds most of the elements of ``tensors`` (a few tensors kept wider on purpose, such
+    as MoE routers in float32, do not decide); ``None`` when there is none.
+
+    Example::
+
+        >>> dominant_dtype([torch.zeros(8, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(3, dtype=torch.long)])
+        torch.bfloat16
+    """
+    sizes: dict[torch.dtype, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+    return max(sizes, key=sizes.get, default=None)

@@ -13,6 +13,7 @@ from lightning_mtp import checkpointing
 from lightning_mtp.finite import TrainingDiverged, check_finite_state_dict
 from lightning_mtp.fsdp_settings import validate_mtp_under_fsdp
 from lightning_mtp.metrics import log_custom_scalars_layout
+from lightning_mtp.mixin.construction import dominant_dtype
 from lightning_mtp.zero_settings import validate_mtp_under_zero
 
 
@@ -172,11 +173,7 @@ def refuse_rounding_resume(precision: str, state_dict: dict) -> None:
     narrow = _NARROW_PRECISIONS.get(precision)
     if narrow is None:
         return
-    sizes: dict[torch.dtype, int] = {}
-    for value in state_dict.values():
-        if isinstance(value, torch.Tensor) and torch.is_floating_point(value):
-            sizes[value.dtype] = sizes.get(value.dtype, 0) + value.numel()
-    saved = max(sizes, key=sizes.get, default=narrow)
+    saved = dominant_dtype(state_dict.values()) or narrow
     if saved.itemsize > narrow.itemsize:
         raise ValueError(
             f"--trainer.precision {precision}: the checkpoint's weights are {str(saved).replace('torch.', '')} (a fit "

@@ -196,9 +196,9 @@ class MTPObjective:
         if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
             raise ValueError(f"compute_mtp_loss: hidden must be the trunk's floating-point (B, T, H) states, got "
                              f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
-        self.mtp_check_dtypes("compute_mtp_loss")
         self.mtp_whole_root()
-        return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
+        with dtypes_named_on_failure(self, "compute_mtp_loss"):
+            return self._score(*self._run_depths(hidden, input_ids, labels, with_loss=True, position_ids=position_ids))
 
     def compute_lm_loss(
         self, input_ids: Tensor, labels: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
@@ -212,13 +212,13 @@ class MTPObjective:
         the batch) and no target crosses a document boundary.
         """
         check_loss_inputs(input_ids, labels, position_ids)
-        self.mtp_check_dtypes("compute_lm_loss")
         self.mtp_whole_root()  # FSDP2: the shared embedding and head, whole for the trunk and every depth
-        with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
-            hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
-        fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True, trunk_embeddings=trunk_embeddings,
-                                      position_ids=position_ids)
-        return self._score(fwd, specs, self._main_loss_spec(hidden, fwd))
+        with dtypes_named_on_failure(self, "compute_lm_loss"):
+            with TrunkEmbeddings.capture(self, input_ids) as trunk_embeddings:
+                hidden = self.mtp_run_trunk(input_ids, position_ids)  # (B, T, H)
+            fwd, specs = self._run_depths(hidden, input_ids, labels, with_loss=True,
+                                          trunk_embeddings=trunk_embeddings, position_ids=position_ids)
+            return self._score(fwd, specs, self._main_loss_spec(hidden, fwd))
 
     def _main_loss_spec(self, hidden: Tensor, fwd: MTPForward) -> DepthLossSpec:
         """The next-token head's loss spec; sets ``fwd.main_hidden`` (B, T-1, H), the final-normed trunk states."""
@@ -290,6 +290,18 @@ def check_token_ids(ids: Any, what: str) -> None:
         raise ValueError(f"{what} must be a (B, T) tensor of integer token ids, got {shape}")
     if ids.numel() == 0:
         raise ValueError(f"{what} hold no token (shape {tuple(ids.shape)}): a batch needs at least one row")
+
+
+@contextlib.contextmanager
+def dtypes_named_on_failure(module: Any, caller: str):
+    """Let an error of the loss through, unless the MTP modules' dtype differs from the head's: then that refusal
+    (:meth:`~lightning_mtp.mixin.construction.MTPConstruction.mtp_check_dtypes`) names the cause torch's own error
+    ("expected m1 and m2 to have the same dtype") does not. Checked only on a failure: nothing is added to a step."""
+    try:
+        yield
+    except (RuntimeError, ValueError):
+        module.mtp_check_dtypes(caller)
+        raise
 
 
 def check_loss_inputs(input_ids: Any, labels: Any, position_ids: Any, what: str = "") -> None:

@@ -67,6 +67,7 @@ from lightning_mtp.models.hf_host import HFCacheHost, new_rollbackable_cache
 from lightning_mtp.models.hf_trunk import (
     build_trunk,
     check_trunk,
+    context_length,
     logit_transform_of,
     packing_support_problem,
     plain_config,
@@ -82,11 +83,6 @@ from lightning_mtp.sharded import is_dtensor
 
 TRUNK_PREFIX = "trunk."
 HEADS_ONLY_KEY = checkpointing.HEADS_ONLY_KEY
-
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length",
-                  "n_ctx")
-"""The names ``transformers`` configs give the model's context, the first found read."""
-
 
 class HFCausalLM(MTPMixin, L.LightningModule):
     """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
@@ -296,12 +292,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def max_positions(self) -> int:
         """The model's context: its config's ``max_position_embeddings`` or a family's own name for it (GPT-2's
         ``n_positions``, MPT's ``max_seq_len``...); 4096 for a model that has none (ALiBi: Bloom)."""
-        cfg = self.trunk.config.get_text_config()
-        for name in CONTEXT_FIELDS:
-            value = getattr(cfg, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-        return 4096
+        return context_length(self.trunk.config) or 4096
 
     def mtp_pad_token_id(self) -> Optional[int]:
         """The checkpoint tokenizer's pad id, else the model's own ``generation_config.pad_token_id``."""

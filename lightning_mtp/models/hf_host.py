@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mtp.loss import LogitTransform
+from lightning_mtp.models.hf_trunk import context_length
 
 
 @dataclass
@@ -69,8 +70,7 @@ def new_rollbackable_cache(model: nn.Module) -> Any:
     cache = DynamicCache(config=model.config)
     kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if kinds or not hasattr(cache, "crop"):
-        config = model.config.get_text_config()
-        window, context = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+        window, context = getattr(model.config.get_text_config(), "sliding_window", None), context_length(model.config)
         wide = ("" if not (window and context and window >= context) else
                 f" Its sliding window ({window} tokens) is no shorter than its context ({context}), so it attends to "
                 "every token anyway: give its config sliding_window: null (--model.init_args.config.sliding_window "

@@ -100,6 +100,22 @@ def logit_transform_of(model: nn.Module) -> LogitTransform:
     return LogitTransform(scale=number if kind == "multiply" else 1.0 / number)
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length",
+                  "n_ctx")
+"""The names ``transformers`` configs give the model's context, the first found read."""
+
+
+def context_length(config: Any) -> Optional[int]:
+    """A ``transformers`` config's context (its text config's ``max_position_embeddings``, or a family's own name for
+    it: GPT-2's ``n_positions``, MPT's ``max_seq_len``...); ``None`` for a model that has none (ALiBi: Bloom)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in CONTEXT_FIELDS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def build_trunk(model_type: Optional[str], config: Optional[dict], pretrained: Optional[str],
                 attn_implementation: Optional[str]) -> nn.Module:
     """A ``*ForCausalLM`` from a local directory or from ``AutoConfig.for_model(model_type, **config)``."""
