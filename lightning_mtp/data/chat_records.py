@@ -1,16 +1,22 @@
-"""Chat records: their turns as a chat template gets them, rendered into ids with the template, and labels on the
-tokens the template marks as generated (``{% generation %}``, as ``transformers``' ``return_assistant_tokens_mask``
-marks them); the checks a template must pass for that."""
+"""Chat records: their turns (and the tools a record offers) as a chat template gets them, rendered into ids with the
+template, and labels on the tokens the template marks as generated (``{% generation %}``, as ``transformers``'
+``return_assistant_tokens_mask`` marks them); the checks a template must pass for that."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from lightning_mtp.data.record_rows import IGNORE_INDEX
 from lightning_mtp.data.tokenizers import Tokenizer
 
-TURNS_VERSION = 2
-"""Bump when chat turns are rendered differently (2: a turn's null keys are dropped first, :func:`chat_turns`)."""
+TURNS_VERSION = 3
+"""Bump when chat turns are rendered differently (2: a turn's null keys are dropped first, :func:`chat_turns`; 3: a
+record's ``tools`` are rendered too, :func:`record_tools`)."""
+
+TOOLS_FIELD = "tools"
+"""The field of a chat record (or chat prompt) holding the tools it offers: a list of JSON-schema function dicts, as
+``transformers``' ``apply_chat_template(messages, tools=...)`` takes them and ``trl`` reads its ``tools`` column."""
 
 
 def check_chat_settings(tokenizer: Tokenizer, train_on: str) -> None:
@@ -55,13 +61,15 @@ class ChatEncoder:
     (``assistant_only``) or nowhere."""
 
     def __init__(self, tokenizer: Tokenizer, field: str, assistant_only: bool,
-                 positions: Optional[list[int]] = None) -> None:
+                 positions: Optional[list[int]] = None, tools_feature: Any = None) -> None:
         self.tokenizer, self.field, self.assistant_only = tokenizer, field, assistant_only
         self.positions = positions  # the split's records' positions in the corpus (None: the split's own)
+        self.tools_feature = tools_feature  # the records' ``datasets`` feature of TOOLS_FIELD (record_tools)
 
     def __call__(self, batch: dict, indices: Optional[list[int]] = None) -> dict:
         all_ids, all_labels = [], []
-        for offset, messages in enumerate(batch[self.field]):
+        offered = batch[TOOLS_FIELD] if TOOLS_FIELD in batch else [None] * len(batch[self.field])
+        for offset, (messages, tools) in enumerate(zip(batch[self.field], offered)):
             if not messages:
                 all_ids.append([])
                 all_labels.append([])
@@ -71,11 +79,13 @@ class ChatEncoder:
                      f"chat record {index if self.positions is None else self.positions[index]} of the corpus "
                      "(counting from 0, files in sorted order)")
             turns = chat_turns(messages, where)
+            tools = record_tools(tools, where, self.tools_feature)
             try:
-                ids, mask = self.tokenizer.render_chat(turns, assistant_mask=self.assistant_only)
+                ids, mask = self.tokenizer.render_chat(turns, assistant_mask=self.assistant_only, tools=tools)
             except Exception as error:  # noqa: BLE001 - the template's own refusal (a role it lacks), named
                 roles = [turn.get("role") for turn in turns]
-                raise ValueError(f"--data.messages_field: the chat template refused {where} (roles {roles}): "
+                offers = "" if tools is None else f", {len(tools)} tools"
+                raise ValueError(f"--data.messages_field: the chat template refused {where} (roles {roles}{offers}): "
                                  f"{type(error).__name__}: {error}") from error
             labels = ids if mask is None else [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
             if all(label == IGNORE_INDEX for label in labels):
@@ -111,3 +121,62 @@ def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
             raise ValueError(f"--data.messages_field: turn {number} of {where} {problem}: {str(turn)[:120]}")
         turns.append({key: value for key, value in turn.items() if value is not None or key == "content"})
     return turns
+
+
+def record_tools(value: Any, where: str = "a chat record", feature: Any = None,
+                 flag: str = "--data.corpus") -> Optional[list[dict]]:
+    """A chat record's ``tools`` as the chat template gets them (``apply_chat_template(messages, tools=...)``): a list
+    of JSON-schema function dicts, or a JSON string of one (as some data sets store it); ``None`` (null, absent or a
+    blank string) for none. ``feature``: the column's ``datasets`` feature, where the records were read into Arrow: a
+    key whose value is null inside an Arrow struct is dropped (:func:`without_arrow_nulls`), as Arrow gives every
+    record's tools each key any record's have; values ``datasets`` keeps as JSON reach the template as the file holds
+    them.
+
+    Raises:
+        ValueError: naming ``flag``, ``where`` and the field when the value is neither.
+
+    Example::
+
+        >>> record_tools('[{"type": "function", "function": {"name": "search"}}]')
+        [{'type': 'function', 'function': {'name': 'search'}}]
+        >>> record_tools(None) is None
+        True
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    problem = f"{flag}: the {TOOLS_FIELD!r} field of {where} must be a list of JSON-schema function dicts"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{problem} (or a JSON string of one); it is a string that is not JSON ({error.msg}): "
+                             f"{value[:80]!r}") from None
+        feature = None  # parsed from the file's own text: nothing of Arrow's to drop
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        kind = type(value).__name__ if not isinstance(value, list) else "list of " + ", ".join(
+            sorted({type(tool).__name__ for tool in value}))
+        raise ValueError(f'{problem} ({{"type": "function", "function": {{"name": ..., "parameters": ...}}}}, or a '
+                         f"JSON string of that list), got {kind} {str(value)[:80]}: fix the record, or remove its "
+                         f"{TOOLS_FIELD!r}")
+    return without_arrow_nulls(value, feature)
+
+
+def without_arrow_nulls(value: Any, feature: Any) -> Any:
+    """``value`` without the null keys of the dicts that ``feature`` (a ``datasets`` feature) reads as Arrow structs:
+    a struct has one set of keys for every record of a column, null where a record lacks one, and the file's own null
+    cannot be told from it there. Values under a feature that is not a struct (``datasets``' ``Json``, a string) are
+    the file's own and kept whole; ``feature=None`` keeps everything.
+
+    Example::
+
+        >>> from datasets import Value
+        >>> without_arrow_nulls([{"name": "f", "description": None}], [{"name": Value("string"),
+        ...                                                            "description": Value("string")}])
+        [{'name': 'f'}]
+    """
+    if isinstance(value, dict) and isinstance(feature, dict):
+        return {key: without_arrow_nulls(item, feature.get(key)) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
+        return [without_arrow_nulls(item, inner) for item in value]
+    return value

@@ -207,15 +207,16 @@ class PretrainedTokenizer(Tokenizer):
         """Whether the chat template marks the tokens the model generates (``{% generation %}``)."""
         return self.chat_template is not None and GENERATION_MARK.search(self.chat_template) is not None
 
-    def render_chat(self, messages: list[dict], generation_prompt: bool = False,
-                    assistant_mask: bool = False) -> tuple[list[int], Optional[list[int]]]:
-        """Token ids of ``messages`` rendered with the chat template, and (``assistant_mask``) 1 on the tokens the
-        template marks as generated (``return_assistant_tokens_mask``), 0 elsewhere."""
+    def render_chat(self, messages: list[dict], generation_prompt: bool = False, assistant_mask: bool = False,
+                    tools: Optional[list[dict]] = None) -> tuple[list[int], Optional[list[int]]]:
+        """Token ids of ``messages`` rendered with the chat template, with the ``tools`` the chat offers (JSON-schema
+        function dicts, rendered where the template puts them; ``None``: none), and (``assistant_mask``) 1 on the
+        tokens the template marks as generated (``return_assistant_tokens_mask``), 0 elsewhere."""
         if self.chat_template is None:
             raise ValueError("--data.messages_field: chat records need a tokenizer with a chat template; this one has "
                              "none (give the model folder's tokenizer, or add a chat_template to its "
                              "tokenizer_config.json)")
-        out = self.hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+        out = self.hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                           add_generation_prompt=generation_prompt,
                                           return_assistant_tokens_mask=assistant_mask)
         ids = list(out["input_ids"])

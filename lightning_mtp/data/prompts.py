@@ -11,6 +11,8 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
+from lightning_mtp.data.chat_records import TOOLS_FIELD, record_tools
+
 
 class PromptDataset(Dataset):
     """Tokenized prompts for ``predict``: items ``{"input_ids": LongTensor[L_i], "prompt_text": str}``.
@@ -132,11 +134,27 @@ def decode_prompts_file(data: bytes, path: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
+class ChatPrompt(list):
+    """A chat prompt of a prompts file: its turns (a list of ``{"role", "content"}`` dicts, as before), and the
+    ``tools`` its record offers (JSON-schema function dicts, rendered by the chat template; ``None``: none).
+
+    Example::
+
+        >>> prompt = ChatPrompt([{"role": "user", "content": "Hi"}], tools=[{"type": "function"}])
+        >>> prompt == [{"role": "user", "content": "Hi"}], prompt.tools
+        (True, [{'type': 'function'}])
+    """
+
+    def __init__(self, turns: Sequence[dict], tools: Optional[list[dict]] = None) -> None:
+        super().__init__(turns)
+        self.tools = tools
+
+
 def read_numbered_prompts(path: str) -> list[tuple[int, Union[str, list[dict]]]]:
     """``(line number, prompt)`` pairs of a ``.txt`` file (one prompt per line; ``\\n``, ``\\t`` and ``\\\\``
     escapes decoded) or a ``.jsonl`` file (one ``{"prompt": "..."}`` per line, or a chat ``{"messages": [{"role",
-    "content"}, ...]}`` or ``{"prompt": [turns]}``, which comes back as its list of turns, to be rendered with the chat
-    template). Lines are split
+    "content"}, ...]}`` or ``{"prompt": [turns]}``, which comes back as its list of turns, a :class:`ChatPrompt`
+    holding the record's ``tools`` too, to be rendered with the chat template). Lines are split
     at ``\\n`` (a trailing ``\\r`` dropped) and numbered from 1 as in an editor; blank lines (and blank prompts) are
     skipped.
 
@@ -176,22 +194,27 @@ def _jsonl_prompt(line: str, path: str, number: int) -> Union[str, list[dict]]:
     turns = record.get("messages", record.get("prompt")) if isinstance(record, dict) else None
     if isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("role"), str)
                                        and isinstance(t.get("content"), str) for t in turns):
-        return turns
+        return ChatPrompt(turns, record_tools(record.get(TOOLS_FIELD), f"{path}:{number}", flag=PROMPTS_FLAG))
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt" or a chat '
                          f'"messages" (or "prompt") list of {{"role", "content"}} turns, got {line[:80]!r}')
+    if record_tools(record.get(TOOLS_FIELD), f"{path}:{number}", flag=PROMPTS_FLAG):
+        raise ValueError(f"{PROMPTS_FLAG}: {path}:{number} offers {TOOLS_FIELD!r} with a text prompt, which is "
+                         "encoded as it is, without the chat template that renders tools: give it as a chat, "
+                         '{"messages": [{"role": "user", "content": "..."}], "tools": [...]}, or remove its '
+                         f"{TOOLS_FIELD!r}")
     return record["prompt"]
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict], path: str, line: int) -> list[int]:
     """A chat prompt's ids: ``messages`` rendered with the tokenizer's chat template and its generation prompt (the
-    assistant's turn opens), as the model saw chats in training."""
+    assistant's turn opens), with the tools a :class:`ChatPrompt` offers, as the model saw chats in training."""
     render = getattr(tokenizer, "render_chat", None)
     if render is None or getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{PROMPTS_FLAG}: {path}:{line} is a chat prompt, and the tokenizer "
                          f"{getattr(tokenizer, 'name', '?')} has no chat template: use text prompts "
                          '({"prompt": "..."}), or a model trained with a tokenizer that has one')
-    return render(messages, generation_prompt=True)[0]
+    return render(messages, generation_prompt=True, tools=getattr(messages, "tools", None))[0]
 
 
 def read_prompts_file(path: str) -> list[Union[str, list[dict]]]:

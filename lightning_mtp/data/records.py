@@ -49,7 +49,14 @@ from torch.utils.data import Dataset
 
 from lightning_mtp.data import completion_records as completions
 from lightning_mtp.data.atomic import atomic_write, private_folder, publish_folder
-from lightning_mtp.data.chat_records import TURNS_VERSION, ChatEncoder, chat_turns, check_chat_settings
+from lightning_mtp.data.chat_records import (
+    TOOLS_FIELD,
+    TURNS_VERSION,
+    ChatEncoder,
+    chat_turns,
+    check_chat_settings,
+    record_tools,
+)
 from lightning_mtp.data.corpus import CORPUS_FLAG
 from lightning_mtp.data.record_files import RecordPart, datasets_library, join_record_parts, load_record_parts
 from lightning_mtp.data.record_rows import PackedRows, PadCollator, RecordRows, pack, warn_cut_records
@@ -161,6 +168,20 @@ def refuse_missing_field(dataset: Any, field: str, flag: str, other: str,
                      "fix or remove those records")
 
 
+def refuse_tools_without_chat(dataset: Any, chat: bool) -> None:
+    """Raise when records that are not chats (texts, plain prompt-completion records) offer ``tools``: only a chat
+    template renders them, and they would otherwise be dropped silently."""
+    if chat or TOOLS_FIELD not in dataset.column_names:
+        return
+    column = dataset.data.column(TOOLS_FIELD)
+    offering = len(column) - column.null_count
+    if offering:
+        raise ValueError(f"{CORPUS_FLAG}: {offering} of {len(dataset)} records have a {TOOLS_FIELD!r} field, and "
+                         "they are not chats: tools are rendered by the chat template, into chat records' turns "
+                         "(--data.messages_field) only; give those records as chats, or remove their "
+                         f"{TOOLS_FIELD!r}")
+
+
 def refuse_non_string_text(dataset: Any, field: str, flag: str = "--data.text_field") -> None:
     """Raise when some text records hold something other than a string (a number, a list) in ``field``: they would
     otherwise be read as empty texts and skipped."""
@@ -253,8 +274,9 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     elif train_on == "assistant" and not completion:
         raise ValueError(f"--data.train_on assistant needs chat records (a {settings.messages_field!r} field, "
                          f"--data.messages_field); these are text: use --data.train_on all")
+    tools_feature = train.features.get(TOOLS_FIELD)  # how Arrow holds the records' tools (record_tools)
     encoders = {name: ChatEncoder(tokenizer, settings.messages_field, train_on == "assistant",
-                                   None if positions is None else positions[i]) if chat else
+                                   None if positions is None else positions[i], tools_feature) if chat else
                 completions.CompletionEncoder(tokenizer, train_on == "assistant") if completion else
                 _TextEncoder(tokenizer, settings.text_field) for i, name in enumerate(("train", "val"))}
     procs = num_proc if num_proc is not None else max(1, min(4, os.cpu_count() or 1))
@@ -403,6 +425,7 @@ class RecordCorpus:
             records = join_record_parts(parts)
             settings = self.settings
             self.chat = record_kind(records, settings, parts)
+            refuse_tools_without_chat(records, self.chat)
             if completions.is_prompt_completion(records.column_names, settings.text_field, settings.messages_field):
                 self.completion = not self.chat
                 if self.chat:
@@ -465,11 +488,15 @@ class RecordCorpus:
         prompts, texts = [], []
         field = (self.settings.messages_field if self.chat else completions.PROMPT if self.completion
                  else self.settings.text_field)
-        for value in val.select_columns([field]).select(range(min(count, len(val))))[field]:
+        columns = [field, TOOLS_FIELD] if self.chat and TOOLS_FIELD in val.column_names else [field]
+        first = val.select_columns(columns).select(range(min(count, len(val))))
+        offered = first[TOOLS_FIELD] if TOOLS_FIELD in columns else [None] * len(first)
+        for value, tools in zip(first[field], offered):
             if self.chat:
                 turns = chat_turns(value or [], "a held-out chat record")
                 last = max((i for i, t in enumerate(turns) if t.get("role") == "assistant"), default=len(turns))
-                ids, _ = tokenizer.render_chat(turns[:last], generation_prompt=True)
+                tools = record_tools(tools, "a held-out chat record", val.features.get(TOOLS_FIELD))
+                ids, _ = tokenizer.render_chat(turns[:last], generation_prompt=True, tools=tools)
             elif self.completion:
                 ids = tokenizer.encode_prompt(value or "")
             else:
