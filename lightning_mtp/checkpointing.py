@@ -98,19 +98,22 @@ def _is_mtp_key(key: str) -> bool:
     return key.startswith(MTP_PREFIXES)
 
 
-def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) -> LoadReport:
+def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False,
+                         source: str = "the checkpoint") -> LoadReport:
     """Make ``checkpoint["state_dict"]`` load into ``module`` and report what differed in the MTP weights.
+    ``source``: the checkpoint as messages name it (``"--model.init_args.init_from PATH"``).
 
     Raises:
-        ValueError: when resuming a fit across a depth/architecture mismatch, or when an MTP weight has another
-            shape (a different hidden size).
+        ValueError: when resuming a fit across a depth/architecture mismatch, when an MTP weight has another
+            shape (a different hidden size), or when a weight outside the MTP heads has another shape (another
+            vocabulary or model size).
     """
     meta = checkpoint.get(CHECKPOINT_KEY) or {}
     report = LoadReport(checkpoint_depth=meta.get("depth", 0), checkpoint_architecture=meta.get("architecture"))
     state = checkpoint.get("state_dict")
     if state is None:
         return report
-    refuse_other_model(module, checkpoint)
+    refuse_other_model(module, checkpoint, source)
     own = {k: shape for k, shape in state_shapes(module).items() if _is_mtp_key(k)}  # ZeRO-3: real shapes
     saved = {k for k in state if _is_mtp_key(k)}
     arch = module.mtp_config.architecture
@@ -150,16 +153,47 @@ def reconcile_state_dict(module: Any, checkpoint: dict, resuming: bool = False) 
     return report
 
 
-def refuse_other_model(module: Any, checkpoint: dict) -> None:
+def refuse_other_heads(module: Any, checkpoint: dict, source: str) -> None:
+    """Raise ``ValueError`` when a heads file (``source``: ``"--model.init_args.mtp_heads PATH"``) holds MTP heads of
+    another architecture or depth than ``module``'s, or lacks some of its MTP weights: the heads it lacks would
+    decode untrained. (A new fit from its weights, ``init_from``, starts them fresh and trains them.)"""
+    meta = checkpoint.get(CHECKPOINT_KEY) or {}
+    cfg = module.mtp_config
+    depth, architecture = meta.get("depth"), meta.get("architecture")
+    new_fit = ("or start a new fit from them with --model.init_args.init_from FILE instead of "
+               "--model.init_args.mtp_heads (the heads they lack start fresh and train)")
+    if architecture is not None and architecture != cfg.architecture:
+        raise ValueError(f"{source} holds {architecture} MTP heads, but --model.init_args.mtp.architecture is "
+                         f"{cfg.architecture!r}: none of their weights would load. Give --model.init_args.mtp."
+                         f"architecture {architecture} to use them, or train {cfg.architecture} heads (a new fit)")
+    if depth is not None and depth != cfg.depth:
+        effect = (f"depths {depth + 1}-{cfg.depth} would decode untrained" if depth + 1 < cfg.depth else
+                  f"depth {cfg.depth} would decode untrained" if depth < cfg.depth else
+                  f"its depths {cfg.depth + 1}-{depth} would be dropped" if cfg.depth + 1 < depth else
+                  f"its depth {depth} would be dropped")
+        raise ValueError(f"{source} holds MTP heads of depth {depth}, but --model.init_args.mtp.depth is "
+                         f"{cfg.depth}: {effect}. Give --model.init_args.mtp.depth {depth} to use them, {new_fit}")
+    own = {k for k in module.state_dict() if _is_mtp_key(k)}
+    lacking = sorted(own - set(checkpoint.get("state_dict") or {}))
+    if lacking:  # a file without MTP metadata (not written by lightning-mtp), or of another layout
+        raise ValueError(f"{source} lacks MTP weights of {type(module).__name__} (depth {cfg.depth}, "
+                         f"{cfg.architecture}): {', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}. Give a "
+                         "file written by save_mtp_heads (or a fit's checkpoint) for these MTP settings, " + new_fit)
+
+
+def refuse_other_model(module: Any, checkpoint: dict, source: str = "the checkpoint") -> None:
     """Raise ``ValueError`` when the checkpoint's weights outside the MTP heads are not ``module``'s (another model
-    class, or another number of layers): say which class wrote it, when it says, and how to load it with that class.
-    A checkpoint of MTP weights alone (a frozen trunk's) is not checked here."""
-    saved = {k for k in checkpoint.get("state_dict") or {} if not _is_mtp_key(k)}
+    class, or another number of layers, or weights of other shapes: :func:`refuse_other_shapes`): say which class
+    wrote it, when it says, and how to load it with that class. A checkpoint of MTP weights alone (a frozen trunk's)
+    is not checked here."""
+    state = checkpoint.get("state_dict") or {}
+    saved = {k for k in state if not _is_mtp_key(k)}
     if not saved:
         return
     own = {k for k in module.state_dict() if not _is_mtp_key(k)}
     foreign, missing = sorted(saved - own), sorted(own - saved)
     if not foreign and not missing:
+        refuse_other_shapes(module, state, source)
         return
     name = type(module).__name__
     written_by = (checkpoint.get(CHECKPOINT_KEY) or {}).get("module_class") or (
@@ -173,6 +207,41 @@ def refuse_other_model(module: Any, checkpoint: dict) -> None:
         f"class that wrote it ({'--model ' + written_by if written_by else '--model path.to.TheClass'} on the "
         "command line, or TheClass.load_from_checkpoint in Python)"
     )
+
+
+def refuse_other_shapes(module: Any, state: dict, source: str = "the checkpoint") -> None:
+    """Raise ``ValueError`` when a weight outside the MTP heads has another shape in ``state`` than in ``module``
+    (torch's ``load_state_dict`` would fail with a "size mismatch" traceback): name the weight, both shapes and the
+    likely cause. Under ZeRO-3 the module's real shapes are compared; an empty tensor that stands for a partitioned
+    weight (a placeholder, see ``load_state_dict_whole``) is not a weight and is skipped."""
+    own = state_shapes(module)
+    for key, value in state.items():
+        if _is_mtp_key(key) or key not in own or not isinstance(value, torch.Tensor):
+            continue
+        saved = tuple(value.shape)
+        if saved == own[key] or (value.numel() == 0 and len(own[key]) > 0 and 0 not in own[key]):
+            continue
+        name = type(module).__name__
+        rows_differ = len(saved) == len(own[key]) == 2 and saved[1:] == own[key][1:] and saved[0] != own[key][0]
+        if rows_differ and module_vocab_size(module) in (saved[0], own[key][0]):
+            vocab_flag = getattr(module, "mtp_vocab_flag", lambda: "its vocabulary size")()
+            cause = (f"the vocabulary sizes differ: {saved[0]} ids in the checkpoint, {own[key][0]} in {name} (set by "
+                     f"{vocab_flag}): was one of the two embeddings resized to another size? Start "
+                     f"from a checkpoint trained with this vocabulary, or give the model the checkpoint's {saved[0]} "
+                     "ids")
+        else:
+            cause = (f"the checkpoint was trained with another model width or size: give {name} the settings it was "
+                     "trained with, or start from a checkpoint of this model")
+        raise ValueError(f"{source} does not fit {name}: its weight {key!r} has shape {saved}, but {name}'s has shape "
+                         f"{own[key]}: {cause}")
+
+
+def module_vocab_size(module: Any) -> Optional[int]:
+    """The module's vocabulary size (its output head's rows), ``None`` where it does not say."""
+    try:
+        return int(module.mtp_vocab_size())
+    except Exception:  # noqa: BLE001 - an unbuilt or unusual module: the message then names no vocabulary
+        return None
 
 
 def restore_runtime_state(module: Any, checkpoint: dict, schedule: bool = True) -> None:
@@ -336,8 +405,12 @@ def without_zero3_placeholders(checkpoint: dict) -> dict:
     return checkpoint
 
 
-def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
+def read_checkpoint(path: Any, flag: str = "--ckpt_path", of_a_fit: Optional[bool] = None) -> dict:
     """``torch.load(path, weights_only=True)`` with errors that name the path and the flag it came from.
+
+    A safetensors file (a model folder's weights, which ``torch.load`` also reads) is refused for every flag. With
+    ``of_a_fit`` (default: when ``flag`` is ``--ckpt_path``, which Lightning reads next) a file must be a checkpoint
+    written by a fit (:func:`refuse_non_checkpoint`): not an MTP-heads file nor a bare state dict.
 
     A DeepSpeed checkpoint directory reads as its rank-0 module-states file (ZeRO-1/2's ``mp_rank_00_...``, ZeRO-3's
     ``zero_pp_rank_0_mp_rank_00_...``; its shards are checked to be whole, and ZeRO-3's placeholder ``module``
@@ -361,6 +434,11 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
         raise ValueError(f"{flag} {str(path)!r} does not exist")
     if file.stat().st_size == 0:
         raise ValueError(f"{flag} {str(path)!r} is an empty file, not a checkpoint (was its writing interrupted?)")
+    if is_safetensors_file(file):
+        raise ValueError(f"{flag} {str(path)!r} is a safetensors weights file (a model folder's weights), not a "
+                         "checkpoint written by lightning-mtp: load the folder that holds it with "
+                         "--model.init_args.pretrained DIR (HFCausalLM), and MTP heads saved for it with "
+                         "--model.init_args.mtp_heads FILE")
     try:
         checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - every failure is reported the same way, without torch's advice
@@ -380,7 +458,48 @@ def read_checkpoint(path: Any, flag: str = "--ckpt_path") -> dict:
                          "not a dict with a state_dict")
     if tag_folder is not None:
         check_shard_set(tag_folder, checkpoint, path, flag)
+    elif file == Path(path) and (flag == "--ckpt_path" if of_a_fit is None else of_a_fit):
+        refuse_non_checkpoint(checkpoint, path, flag)
     return without_zero3_placeholders(checkpoint)
+
+
+def is_safetensors_file(file: Path) -> bool:
+    """Whether ``file`` starts as a safetensors file does: the length of its JSON header (8 bytes, little-endian),
+    then the header's ``{``."""
+    with open(file, "rb") as fh:
+        head = fh.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    return 0 < int.from_bytes(head[:8], "little") <= file.stat().st_size - 8
+
+
+LIGHTNING_KEYS = ("pytorch-lightning_version", "hyper_parameters", "global_step", "epoch", "loops")
+"""Entries a Lightning checkpoint carries beside its weights (``Trainer.save_checkpoint``)."""
+
+
+def refuse_non_checkpoint(checkpoint: dict, path: Any, flag: str = "--ckpt_path") -> None:
+    """Raise ``ValueError`` when the file ``path`` (read as ``checkpoint``) is not a checkpoint written by a fit: an
+    MTP-heads file (:meth:`HFCausalLM.save_mtp_heads`) or a bare state dict, which Lightning would otherwise take as
+    one and fail on deep inside (a missing ``state_dict``, a model class it cannot rebuild)."""
+    if any(key in checkpoint for key in LIGHTNING_KEYS):
+        return
+    if checkpoint.get(HEADS_ONLY_KEY):
+        trunk = checkpoint.get("trunk") or {}
+        folder = trunk.get("pretrained") if not trunk.get("trained") else None
+        which = ("" if folder else " (DIR: the folder of the fine-tuned trunk the heads were trained with, written by "
+                 "model.trunk.save_pretrained)" if trunk.get("trained") else " (DIR: the model folder the heads were "
+                 "trained over)")
+        raise ValueError(f"{flag} {str(path)!r} is an MTP-heads file written by save_mtp_heads, not a checkpoint of a "
+                         f"fit: load it with --model lightning_mtp.models.HFCausalLM --model.init_args.pretrained "
+                         f"{repr(folder) if folder else 'DIR'} --model.init_args.mtp_heads {str(path)!r}{which} "
+                         "instead of --ckpt_path")
+    if "state_dict" not in checkpoint:
+        bare = checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values())
+        what = "a bare state dict of weights" if bare else "no state_dict"
+        instead = ", or start a new fit from these weights with --model.init_args.init_from FILE" if bare else ""
+        raise ValueError(f"{flag} {str(path)!r} holds {what}, not a checkpoint written by a fit (lightning-mtp fit, "
+                         f"Trainer.save_checkpoint), which records the model's class and settings: give such a "
+                         f"checkpoint{instead}")
 
 
 def is_deepspeed_folder(path: Any) -> bool:
@@ -429,7 +548,7 @@ def load_weights(module: Any, path: str, flag: str = "--model.init_args.init_fro
     checkpoint = read_checkpoint(path, flag)
     if "state_dict" not in checkpoint:
         checkpoint = {"state_dict": checkpoint}
-    report = reconcile_state_dict(module, checkpoint, resuming=False)
+    report = reconcile_state_dict(module, checkpoint, resuming=False, source=f"{flag} {path}")
     complete = getattr(module, "mtp_complete_checkpoint", None)  # HFCausalLM: a frozen trunk's keys, its checks
     if complete is not None:
         complete(checkpoint, f"{flag} {path}")

@@ -36,6 +36,18 @@ def _generator(module: nn.Module, seed: Optional[int], device: torch.device) -> 
     return cached[1]
 
 
+def stop_ids(module: nn.Module, datamodule: Any) -> Optional[list[int]]:
+    """Where ``predict`` ends a row when no ``eos_token_id`` is given: the tokenizer's EOS and end-of-turn ids, and
+    those the model's folder lists (``generation_config.json``'s ``eos_token_id``, as ``transformers``' ``generate``
+    reads it: Llama 3.1's ``<|eom_id|>``, Qwen2.5's ``<|endoftext|>``); ``None`` where neither names one."""
+    ids = list(getattr(datamodule, "stop_ids", None) or []) if datamodule is not None else []
+    if not ids and getattr(datamodule, "eos_id", None) is not None:
+        ids = [int(datamodule.eos_id)]
+    hook = getattr(module, "mtp_stop_token_ids", None)
+    ids += [i for i in (hook() if callable(hook) else []) if i not in ids]
+    return ids or None
+
+
 def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> dict:
     """Generate for a batch of prompts.
 
@@ -59,8 +71,8 @@ def predict_batch(module: nn.Module, batch: Any, **generation_kwargs: Any) -> di
         attention_mask = torch.arange(input_ids.shape[1], device=input_ids.device) < lengths.unsqueeze(1)  # (B, L)
     datamodule = _datamodule(module)
     config = GenerationConfig(**generation_kwargs)
-    if config.eos_token_id is None and getattr(datamodule, "eos_id", None) is not None:
-        config.eos_token_id = list(getattr(datamodule, "stop_ids", None) or [int(datamodule.eos_id)])
+    if config.eos_token_id is None:
+        config.eos_token_id = stop_ids(module, datamodule)
     if config.pad_token_id is None and getattr(datamodule, "pad_id", None) is not None:
         config.pad_token_id = int(datamodule.pad_id)
     kwargs = config.to_kwargs()

@@ -65,6 +65,11 @@ class MTPHostContract:
         record = getattr(self, "mtp_tokenizer", None)
         return (record or {}).get("pad_id")
 
+    def mtp_stop_token_ids(self) -> list[int]:
+        """Token ids the model's own folder says end a generation (``predict`` stops at these besides the
+        tokenizer's EOS and end-of-turn ids); none by default."""
+        return []
+
     def mtp_block_spec(self) -> dict:
         """Shape of each MTP block: ``dim``, ``n_heads``, ``n_kv_heads``, ``mlp_hidden``, ``eps``, ``max_positions``.
 

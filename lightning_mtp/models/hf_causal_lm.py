@@ -302,6 +302,15 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         generation = getattr(self.trunk, "generation_config", None)
         return getattr(generation, "pad_token_id", None)
 
+    def mtp_stop_token_ids(self) -> list[int]:
+        """The model folder's stop ids (``generation_config.json``'s ``eos_token_id``, one or a list, as
+        ``transformers``' ``generate`` reads them); none for a model built from a config, whose defaults name no token
+        of its tokenizer."""
+        if self.pretrained is None:
+            return []
+        eos = getattr(getattr(self.trunk, "generation_config", None), "eos_token_id", None)
+        return [int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+
     def mtp_max_sequence_length(self) -> int:
         return self.max_positions
 
@@ -346,8 +355,12 @@ class HFCausalLM(MTPMixin, L.LightningModule):
     def save_mtp_heads(self, path: str) -> None:
         """Write the MTP weights and metadata only (``torch.load(weights_only=True)`` reads it); the trunk is
         described by its weights as they are now (a trunk trained with the heads is not the folder's any more)."""
+        trunk = self._trunk_summary(now=True)
+        # a trunk that trained with the heads (the default fine-tune): they belong to its weights, not to the folder's
+        now, loaded = trunk.get("weights"), self._trunk_weights
+        trunk["trained"] = bool(now and loaded and now != loaded)
         torch.save({"state_dict": self.mtp_state_dict(), checkpointing.CHECKPOINT_KEY: checkpointing.mtp_metadata(self),
-                    HEADS_ONLY_KEY: True, "trunk": self._trunk_summary(now=True)}, path)
+                    HEADS_ONLY_KEY: True, "trunk": trunk}, path)
 
     def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
@@ -359,6 +372,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         refuse_other_layout(self.mtp_config.layout, checkpoint, path)
         state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if not k.startswith(TRUNK_PREFIX)}
         checkpoint = {**checkpoint, "state_dict": state}
+        # heads to serve or continue: all of them load, or none (another depth or architecture is a new fit's)
+        checkpointing.refuse_other_heads(self, checkpoint, f"--model.init_args.mtp_heads {path}")
         report = checkpointing.reconcile_state_dict(self, checkpoint, resuming=False)
         missing, unexpected = self.load_state_dict(checkpoint["state_dict"], strict=False)
         missing = [k for k in missing if not k.startswith(TRUNK_PREFIX)]
@@ -381,14 +396,25 @@ class HFCausalLM(MTPMixin, L.LightningModule):
                              f"{saved['vocab_size']}), but this trunk is a {own['class']} (hidden "
                              f"{own['hidden_size']}, vocab {own['vocab_size']})")
         if saved and saved.get("weights") and own.get("weights") and saved["weights"] != own["weights"]:
-            theirs = (f"the weights loaded from {saved['pretrained']!r}" if saved.get("pretrained") else
-                      "a trunk that was wrapped or built from its config (HFCausalLM.from_model, trunk=)")
             mine = (f"the trunk loaded from {self.pretrained!r}" if self.pretrained else
                     "this module's trunk (wrapped, or built from its config with fresh weights)")
+            fine_tuned = ("save the fine-tuned trunk and its tokenizer into a folder DIR (model.trunk.save_pretrained("
+                          "DIR), tokenizer.save_pretrained(DIR)) and load HFCausalLM(pretrained=DIR, mtp_heads=...), "
+                          "or serve the fit's own checkpoint (lightning-mtp predict --ckpt_path CKPT)")
+            if saved.get("trained"):  # save_mtp_heads after a fit that trained the trunk
+                started = (f"the weights loaded from {saved['pretrained']!r}" if saved.get("pretrained") else
+                           "the trunk it wrapped")
+                raise ValueError(f"{path} holds MTP heads of a fit that trained its trunk too (starting from {started}"
+                                 f"; only freeze_trunk=True leaves it as it was): the heads belong to the fine-tuned "
+                                 f"trunk, and {mine} has other weights. To serve them, {fine_tuned}")
+            theirs = (f"the weights loaded from {saved['pretrained']!r}" if saved.get("pretrained") else
+                      "a trunk that was wrapped or built from its config (HFCausalLM.from_model, trunk=)")
             raise ValueError(f"{path} holds MTP heads trained over {theirs}, but {mine} has other weights (another "
-                             "model, or it changed since): load the heads onto the trunk they were trained over "
-                             "(its folder, or HFCausalLM.from_model(model, mtp_heads=...)), or train new heads on "
-                             "this one")
+                             "model, or it changed since, or the fit that wrote the heads trained the trunk, as the "
+                             "default fine-tune does: the heads then belong to the fine-tuned trunk, not to its "
+                             "folder): load the heads onto the trunk they were trained over (its folder, or "
+                             f"HFCausalLM.from_model(model, mtp_heads=...)); for a fine-tuned trunk, {fine_tuned}; or "
+                             "train new heads on this one")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)

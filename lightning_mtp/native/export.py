@@ -75,15 +75,29 @@ def check_exportable(module: nn.Module) -> None:
         raise ValueError(
             f"{type(trunk).__name__} (model_type {trunk.config.model_type!r}) has no native MTP layers in transformers "
             "(its config has no num_nextn_predict_layers): generate(use_mtp=True) could not run exported MTP layers. "
-            "Save the MTP heads alone with save_mtp_heads(path) instead, or train a family that has native MTP layers "
-            "(e.g. glm4_moe, deepseek_v3)"
+            f"Instead, {heads_alone_advice(module)}; or train a family that has native MTP layers (e.g. glm4_moe, "
+            "deepseek_v3)"
         )
     if cfg.layout != "native" or cfg.architecture != "cascaded":
         raise ValueError(
             f"{name} has MTPConfig.layout={cfg.layout!r}, architecture={cfg.architecture!r}; transformers runs only "
             "native cascaded MTP layers (post-norm chaining, the model's own decoder layer as the block). Train with "
-            "--model.mtp.layout native to export, or save the MTP heads alone with save_mtp_heads(path)"
+            f"--model.mtp.layout native to export, or instead {heads_alone_advice(module)}"
         )
+
+
+def heads_alone_advice(module: nn.Module) -> str:
+    """How to keep ``module``'s MTP heads without a native export: alone (``save_mtp_heads``) where the trunk was
+    frozen, so they load back onto its folder; with the fine-tuned trunk beside them where the fit trained it."""
+    if getattr(module, "freeze_trunk", False):
+        onto = ("the model folder (--model.init_args.pretrained DIR --model.init_args.mtp_heads FILE)"
+                if getattr(module, "pretrained", None) else "the same model (HFCausalLM.from_model(model, mtp_heads="
+                "FILE))")
+        return f"save the MTP heads alone with save_mtp_heads(path) and load them onto {onto}"
+    return ("serve the checkpoint itself (lightning-mtp predict --ckpt_path CKPT), or save the trunk with the heads: "
+            "the fit trained the trunk, so the MTP heads belong to the trained trunk, not to any folder it started "
+            "from (in Python: module.trunk.save_pretrained(DIR) and the tokenizer into DIR, module.save_mtp_heads("
+            "FILE); then HFCausalLM(pretrained=DIR, mtp_heads=FILE))")
 
 
 @torch.no_grad()
