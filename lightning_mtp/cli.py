@@ -118,7 +118,10 @@ class MTPLightningCLI(LightningCLI):
             return
         section = self.config[subcommand]
         current = ckpt_rules.flatten(section.as_dict())
-        given = ckpt_rules.given_keys(self._raw_args, ckpt_rules.config_files(self._raw_args))
+        files = ckpt_rules.config_files(self._raw_args)
+        if subcommand in EVALUATING:  # a bundled config's values are templates: the checkpoint's model and data win
+            files = [f for f in files if not is_bundled_config(f)]  # (a user's own config still counts as given)
+        given = ckpt_rules.given_keys(self._raw_args, files)
         ckpt_path = section.get("ckpt_path")
         if ckpt_path == "last":  # Lightning's word for the checkpoint callback's last.ckpt
             ckpt_path = section["ckpt_path"] = last_checkpoint(section, subcommand)
@@ -143,8 +146,9 @@ class MTPLightningCLI(LightningCLI):
             self._apply_checkpoint(subcommand, checkpoint, current, given, resuming=subcommand == "fit")
         elif init_from and subcommand == "fit":
             checkpoint = read_checkpoint(init_from, "--model.init_args.init_from")
-            self._take_tokenizer(subcommand, checkpoint, current, given, "the --model.init_args.init_from checkpoint",
-                                 defaults=())
+            if not self._tokenizer_adds_tokens(checkpoint, current, given):
+                self._take_tokenizer(subcommand, checkpoint, current, given,
+                                     "the --model.init_args.init_from checkpoint", defaults=())
         elif subcommand in EVALUATING and not section.get("random_weights"):
             sources = [key for key in WEIGHT_SOURCES if current.get(f"model.{key}")]
             if not sources:
@@ -156,6 +160,8 @@ class MTPLightningCLI(LightningCLI):
 
     def _apply_checkpoint(self, subcommand: str, checkpoint: dict, current: dict, given: set, resuming: bool) -> None:
         hparams = dict(checkpoint.get("hyper_parameters") or {})
+        if self._moved_model_folder(hparams, current, given):
+            hparams["pretrained"] = current["model.pretrained"]
         saved = ckpt_rules.model_settings(hparams)
         found = ckpt_rules.conflicts(saved, current, given)
         if not resuming:  # the learning rate and its schedule do not describe the weights
@@ -178,6 +184,48 @@ class MTPLightningCLI(LightningCLI):
             self.config = self.parser.parse_object(update, self.config)
         defaults = ckpt_rules.RESUME_DATA_SETTINGS if resuming else ckpt_rules.EVAL_DATA_SETTINGS
         self._take_tokenizer(subcommand, checkpoint, current, given, "the checkpoint", defaults, strict=resuming)
+
+    @staticmethod
+    def _moved_model_folder(hparams: dict, current: dict, given: set) -> bool:
+        """Whether ``--model.init_args.pretrained`` names where the checkpoint's model folder went: the checkpoint
+        records a folder that is gone, and the flag gives an existing one. The checkpoint's weights then load over
+        that folder's model, which checks it is the same model (the trunk's shapes; for a heads-only checkpoint the
+        fingerprint of the trunk weights its heads were trained over)."""
+        recorded, wanted = hparams.get("pretrained"), current.get("model.pretrained")
+        return (ckpt_rules.is_given("model.pretrained", given) and isinstance(recorded, str)
+                and isinstance(wanted, str) and not Path(recorded).is_dir() and Path(wanted).is_dir())
+
+    @staticmethod
+    def _tokenizer_adds_tokens(checkpoint: dict, current: dict, given: set) -> bool:
+        """A new fit from a checkpoint's weights (``init_from``) whose data asks for another model-folder tokenizer
+        than the checkpoint's (``--data.init_args.tokenizer``, else the folder of ``--model.init_args.pretrained``):
+        ``True`` when it keeps every id of the checkpoint's and adds tokens (special tokens added to the folder, its
+        embedding resized), and it is used; refused when it gives other ids; ``False`` where the checkpoint's is."""
+        from lightning_mtp.data.pretrained_tokenizer import is_tokenizer_path, load_pretrained_tokenizer
+        from lightning_mtp.data.tokenizer_choice import ids_changed
+
+        record = checkpoint.get(TOKENIZER_KEY) or {}
+        wanted, flag = current.get("data.tokenizer"), "--data.init_args.tokenizer"
+        if not ckpt_rules.is_given("data.tokenizer", given) or wanted is None:
+            wanted, flag = current.get("model.pretrained"), "--model.init_args.pretrained"
+            if not isinstance(wanted, str) or not any((Path(wanted) / name).is_file()
+                                                       for name in ("tokenizer.json", "tokenizer_config.json")):
+                return False  # no folder tokenizer: the checkpoint's is used
+        if record.get("kind") != "pretrained" or not is_tokenizer_path(wanted):
+            return False  # byte / BPE on either side: the checkpoint's rules apply (_take_tokenizer)
+        mine = load_pretrained_tokenizer(wanted).spec()
+        if mine.get("fingerprint") == record.get("fingerprint"):
+            return False
+        problem = ids_changed(mine, record)
+        if problem is not None:
+            raise ValueError(
+                f"{flag} {wanted}: its tokenizer gives other ids than {record.get('name')}, the tokenizer the "
+                f"--model.init_args.init_from checkpoint was trained with ({problem}), and the checkpoint's weights "
+                "mean that tokenizer's ids: start from a checkpoint of this model folder, or from its own weights "
+                "without --model.init_args.init_from")
+        print(f"lightning-mtp: the tokenizer of {wanted} ({mine.get('vocab_size')} ids) keeps every id of the "
+              f"checkpoint's {record.get('name')} and adds tokens: the fit uses it", file=sys.stderr)
+        return True
 
     def _take_tokenizer(self, subcommand: str, checkpoint: dict, current: dict, given: set, source: str,
                         defaults: tuple, strict: bool = False) -> None:
@@ -306,6 +354,15 @@ def last_checkpoint(section: Any, subcommand: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------- bundled configs
+def is_bundled_config(path: str) -> bool:
+    """Whether a (resolved) ``--config`` value is one of the bundled configs' files."""
+    try:
+        return Path(path).is_file() and any(Path(str(f)).resolve() == Path(path).resolve()
+                                            for f in bundled_configs().values())
+    except (OSError, ValueError):  # YAML text given as the value, or a name too long for a path
+        return False
+
+
 def refuse_optimizer_settings(args: list[str]) -> None:
     """Raise ``ValueError`` when a flag or a ``--config`` file sets LightningCLI's ``optimizer`` / ``lr_scheduler``."""
     try:

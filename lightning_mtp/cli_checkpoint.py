@@ -267,7 +267,8 @@ def without_missing_folder(checkpoint: Mapping[str, Any], hparams: dict) -> dict
     has_trunk = any(key.startswith("trunk.") for key in checkpoint.get("state_dict") or {})
     if folder and not Path(str(folder)).is_dir() and checkpoint.get(HEADS_ONLY_KEY):
         raise ValueError(f"the checkpoint holds MTP heads only (its trunk was frozen) and gets its trunk from the "
-                         f"model folder {folder}, which is gone: put the folder back at that path")
+                         f"model folder {folder}, which is gone: put the folder back at that path, or give its "
+                         "new place with --model lightning_mtp.models.HFCausalLM --model.init_args.pretrained DIR")
     if not folder or Path(str(folder)).is_dir() or not config or not has_trunk:
         return hparams
     from lightning.pytorch.utilities import rank_zero_info

@@ -204,6 +204,22 @@ def test_a_heads_only_checkpoint_whose_model_folder_is_gone_says_so(tmp_path, ca
     assert re.search(gone, cli_refusal(["predict", "--ckpt_path", str(ckpt), "--data.init_args.predict_prompts",
                                         str(prompts)], capsys))
 
+    # the folder's new place, as the message says: the same tokens as before it moved; another model is refused
+    moved = ["--model", "lightning_mtp.models.HFCausalLM", "--model.init_args.pretrained"]
+    shutil.move(str(tmp_path / "elsewhere"), str(folder))
+    before = predict(tmp_path / "run", ckpt, prompts)
+    shutil.move(str(folder), str(tmp_path / "elsewhere"))
+    assert predict(tmp_path / "run", ckpt, prompts, *moved, str(tmp_path / "elsewhere")) == before
+    other = model_folder(tmp_path / "other", vocab_size=320)
+    torch.manual_seed(1)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(other)).apply(lambda m: [p.data.normal_() for p in m.parameters(
+        recurse=False)]).save_pretrained(str(other))  # the same shapes, other weights
+    err = cli_refusal(["predict", "--config", os.path.join(REPO, "configs", "predict.yaml"), "--ckpt_path",
+                       str(ckpt), "--data.init_args.predict_prompts", str(prompts), *moved, str(other)], capsys)
+    assert "other weights" in err
+
 
 def test_predict_and_validate_from_a_checkpoint_anywhere_with_the_training_config(tmp_path, monkeypatch):
     """A fit run with relative paths: predict with a prompts file works from another folder (the model folder is
@@ -235,3 +251,86 @@ def test_predict_and_validate_from_a_checkpoint_anywhere_with_the_training_confi
           "--trainer.limit_val_batches", "1", "--data.init_args.cache_dir", str(tmp_path / "run" / "cache")])
     rows = predict(tmp_path / "run", ckpt, None)
     assert rows and rows[0]["prompt"].startswith("def g")  # held-out text records of the training corpus
+
+
+def test_init_from_onto_a_folder_that_added_tokens_trains_with_the_folders_tokenizer(tmp_path, capsys):
+    """A folder whose tokenizer gained special tokens (its embedding had spare rows, as real checkpoints pad to a
+    multiple of 64) fine-tuned from a checkpoint of the folder before: the new fit tokenizes with the folder's
+    tokenizer, which keeps every id of the checkpoint's, and records it; a folder whose tokenizer gives other ids is
+    refused, not silently given the checkpoint's."""
+    from model_folders import tokenizer_folder
+    from transformers import AutoTokenizer
+
+    from lightning_mtp.data.pretrained_tokenizer import load_pretrained_tokenizer
+
+    folder = model_folder(tmp_path / "model")  # 320 embedding rows
+    tokenizer_folder(folder, 300)  # a tokenizer of 300 ids: 20 spare rows
+    corpus = write_jsonl(tmp_path / "code.jsonl", [{"text": r["text"] + " <|tool|>"} for r in text_records(60)])
+    main(finetune_args(tmp_path / "run", folder, corpus))
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["tokenizer"]["vocab_size"] == 300
+
+    added = tmp_path / "added"
+    shutil.copytree(folder, added)
+    tokenizer = AutoTokenizer.from_pretrained(str(added))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tokenizer.save_pretrained(str(added))
+    main(finetune_args(tmp_path / "new", added, corpus, "--model.init_args.init_from", str(ckpt),
+                       "--trainer.max_steps", "2"))
+    recorded = torch.load(tmp_path / "new" / "ckpt" / "last.ckpt", weights_only=True)["tokenizer"]
+    assert recorded["fingerprint"] == load_pretrained_tokenizer(str(added)).spec()["fingerprint"]
+    assert recorded["vocab_size"] == 301
+
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    tokenizer_folder(other, 290)  # other merges: other ids
+    err = cli_refusal(finetune_args(tmp_path / "other_run", other, corpus, "--model.init_args.init_from", str(ckpt)),
+                      capsys)
+    assert "--model.init_args.pretrained" in err and "other ids" in err
+
+
+def test_predict_stops_at_the_stop_ids_of_the_folders_generation_config(tmp_path):
+    """A folder's ``generation_config.json`` may list stop ids besides the tokenizer's EOS (Llama 3.1's
+    ``<|eom_id|>``): ``predict`` stops where ``transformers``' ``generate`` on the same folder stops."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model_folder(tmp_path / "model")
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(40)),
+                       "--model.init_args.freeze_trunk", "true"))  # the trunk stays the folder's: transformers' own
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n", encoding="utf-8")
+    free = predict(tmp_path / "run", ckpt, prompts)[0]["tokens"]  # 6 tokens: no stop id among them
+    assert len(free) == 6
+    stop = free[2]
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"] = [config.get("eos_token_id", 0), stop]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+
+    row = predict(tmp_path / "run", ckpt, prompts)[0]
+    reference = AutoModelForCausalLM.from_pretrained(str(folder))
+    ids = AutoTokenizer.from_pretrained(str(folder))(row["prompt"], return_tensors="pt").input_ids
+    expected = reference.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert row["tokens"] == expected == free[: free.index(stop) + 1]
+
+
+def test_validate_with_the_bundled_config_the_fit_used_runs_the_checkpoints_model(tmp_path, capsys):
+    """``validate --config finetune --ckpt_path CK`` of a fit that overrode the config's depth (and seq_len): the
+    bundled config's values are templates, so the checkpoint's model and data settings run (the same val/loss as
+    ``validate --ckpt_path CK`` alone); a flag that contradicts the checkpoint is still refused."""
+    folder = model_folder(tmp_path / "model")
+    main(finetune_args(tmp_path / "run", folder, write_jsonl(tmp_path / "code.jsonl", text_records(40)),
+                       "--model.init_args.mtp.depth", "2", "--trainer.max_steps", "2"))
+    ckpt = str(tmp_path / "run" / "ckpt" / "last.ckpt")
+    common = ["--ckpt_path", ckpt, "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.limit_val_batches", "1", "--data.init_args.cache_dir", str(tmp_path / "run" / "cache")]
+
+    def val_loss(*args: str) -> str:
+        capsys.readouterr()
+        main(["validate", *args, *common])
+        return re.search(r"val/loss\s*│\s*([0-9.]+)", capsys.readouterr().out).group(1)
+
+    bundled = os.path.join(REPO, "configs", "finetune.yaml")
+    assert val_loss("--config", bundled) == val_loss()
+    err = cli_refusal(["validate", "--config", bundled, "--model.init_args.mtp.depth", "1", *common], capsys)
+    assert "--model.init_args.mtp.depth" in err

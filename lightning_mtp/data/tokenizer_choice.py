@@ -14,7 +14,11 @@ from typing import Optional
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from lightning_mtp.data.pretrained_tokenizer import load_pretrained_tokenizer, pretrained_tokenizer_from_spec
+from lightning_mtp.data.pretrained_tokenizer import (
+    load_pretrained_tokenizer,
+    other_ids,
+    pretrained_tokenizer_from_spec,
+)
 from lightning_mtp.data.tokenizers import (
     EOS_TOKEN,
     PAD_TOKEN,
@@ -26,7 +30,7 @@ from lightning_mtp.data.tokenizers import (
     Tokenizer,
 )
 
-__all__ = ["TOKENIZER_KINDS", "build_tokenizer", "save_for_transformers", "tokenizer_from_spec"]
+__all__ = ["TOKENIZER_KINDS", "build_tokenizer", "ids_changed", "save_for_transformers", "tokenizer_from_spec"]
 
 
 def build_tokenizer(
@@ -77,6 +81,24 @@ def tokenizer_from_spec(spec: dict) -> Tokenizer:
         raise ValueError(f"the rebuilt {tokenizer.name} tokenizer does not match its description (fingerprint "
                          f"{tokenizer.fingerprint[:12]} != {str(spec['fingerprint'])[:12]})")
     return tokenizer
+
+
+def ids_changed(used: dict, trained: dict) -> Optional[str]:
+    """How the model-folder tokenizer ``used`` maps the tokens of ``trained`` (both :meth:`Tokenizer.spec` records)
+    to other ids; ``None`` when it keeps every one of them (it may add tokens: special tokens added to a folder whose
+    embedding was resized for them, or another chat template). Tokenizers of other kinds always "change" ids unless
+    their fingerprints are equal.
+
+    Example::
+
+        >>> ids_changed(build_tokenizer("byte").spec(), build_tokenizer("byte").spec()) is None
+        True
+    """
+    if used.get("fingerprint") == trained.get("fingerprint"):
+        return None
+    if used.get("kind") != "pretrained" or trained.get("kind") != "pretrained":
+        return f"{used.get('name')} is another tokenizer than {trained.get('name')}"
+    return other_ids(tokenizer_from_spec(used), tokenizer_from_spec(trained))
 
 
 def save_for_transformers(spec: dict, folder: str) -> bool:

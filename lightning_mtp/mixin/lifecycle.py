@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mtp import checkpointing
@@ -61,7 +62,7 @@ class MTPLifecycle:
             if self.mtp_tokenizer is None and stage == "fit":
                 self.mtp_tokenizer = record  # a new fit binds the weights to the data's tokenizer
             else:
-                self._refuse_other_tokenizer(record, "the model's weights")
+                self._check_data_tokenizer(record, "the model's weights", fitting=stage == "fit")
 
     def on_predict_start(self) -> None:
         super().on_predict_start()
@@ -97,12 +98,22 @@ class MTPLifecycle:
         self.mtp_tokenizer = record
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "tokenizer_record"):
-            self._refuse_other_tokenizer(datamodule.tokenizer_record(), source)
+            fitting = self.trainer.state.fn == TrainerFn.FITTING
+            self._check_data_tokenizer(datamodule.tokenizer_record(), source, fitting)
 
-    def _refuse_other_tokenizer(self, data_record: dict, source: str) -> None:
+    def _check_data_tokenizer(self, data_record: dict, source: str, fitting: bool) -> None:
+        """Refuse data whose tokenizer maps the weights' tokens to other ids. One that keeps every id and adds
+        tokens (a model folder's special tokens added, its embedding resized) is accepted, and a fit records it: the
+        weights are trained with it from now on."""
+        from lightning_mtp.data.tokenizer_choice import ids_changed  # (the data package imports the mixin's parts)
+
         reason = checkpointing.tokenizer_mismatch(self.mtp_tokenizer, data_record)
-        if reason is not None:
+        if reason is None:
+            return
+        if ids_changed(data_record, self.mtp_tokenizer) is not None:
             raise ValueError(f"{source}: {reason}")
+        if fitting:
+            self.mtp_tokenizer = data_record
 
     def mtp_vocab_size_hint(self) -> Optional[int]:
         """The model's vocabulary size before ``configure_model`` may have run; ``None`` when unknown."""
