@@ -130,17 +130,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--append", action="store_true", help="add this model's rows to an existing --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_ablation.json")
     args = parser.parse_args(argv)
-    result = run(args, argv)
-    if args.append and args.out.is_file():
-        earlier = json.loads(args.out.read_text())
-        result["rows"] = [r for r in earlier["rows"] if r["model"] != args.label] + result["rows"]
-        result["runs"] = [r for r in earlier.get("runs", []) if r.get("label") != args.label]
-    result.setdefault("runs", []).append({"label": args.label, "command": result.pop("command"),
+    return save(run(args, argv), args.out, args.label, args.append)
+
+
+def save(result: dict, out: Path, label: str, append: bool) -> dict:
+    """Write ``result`` (one model's rows) to ``out``; with ``append``, beside the other models' rows there (this
+    model's earlier rows replaced; so are its entries of every other per-model dict, such as ``step_costs``)."""
+    if append and out.is_file():
+        earlier = json.loads(out.read_text())
+        result["rows"] = [r for r in earlier["rows"] if r["model"] != label] + result["rows"]
+        result["runs"] = [r for r in earlier.get("runs", []) if r.get("label") != label]
+        for key, value in result.items():
+            if isinstance(value, dict) and label in value and isinstance(earlier.get(key), dict):
+                result[key] = {**{k: v for k, v in earlier[key].items() if k != label}, **value}
+    result.setdefault("runs", []).append({"label": label, "command": result.pop("command"),
                                           "machine": result.pop("machine"), "settings": result.pop("settings")})
     result["verdicts"] = verdicts(result["rows"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}: {result['verdicts']}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out}: {result['verdicts']}")
     return result
 
 

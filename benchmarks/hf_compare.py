@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -65,6 +66,25 @@ def fit(model: HFCausalLM, data: TextDataModule, steps: int) -> dict:
     return {"steps": trainer.global_step, "seconds": time.perf_counter() - start, "last_metrics": metrics}
 
 
+def default_data(max_bytes: int = 3_000_000) -> TextDataModule:
+    """The corpus the model trains on and its prompts come from (the byte tokenizer; the shared token cache)."""
+    data = TextDataModule(tokenizer="byte", seq_len=128, batch_size=16, max_bytes=max_bytes,
+                          cache_dir=str(ROOT / ".cache" / "lightning_mtp"))
+    data.prepare_data()
+    data.setup("fit")
+    return data
+
+
+def stored_model(model_dir: Path, depth: int, stored: Optional[dict] = None) -> HFCausalLM:
+    """The model kept in ``model_dir`` by ``--model-dir``: the trunk's folder and the trained heads."""
+    stored = stored if stored is not None else torch.load(model_dir / "heads.pt", weights_only=True)
+    model = HFCausalLM(pretrained=str(model_dir / "tiny-llama"), freeze_trunk=True, mtp=MTPConfig(depth=depth),
+                       attn_implementation="sdpa")
+    model.configure_model()  # builds the MTP modules, which the stored state fills
+    model.load_state_dict(stored["state_dict"])
+    return model
+
+
 def prompts_from(data: TextDataModule, count: int, length: int) -> list[torch.Tensor]:
     tokens = torch.as_tensor(data.val_tokens[: count * 97 + length].astype("int64"))
     return [tokens[i * 97 : i * 97 + length].view(1, -1) for i in range(count)]  # (1, P) each
@@ -90,10 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    data = TextDataModule(tokenizer="byte", seq_len=128, batch_size=16, max_bytes=args.max_bytes,
-                          cache_dir=str(ROOT / ".cache" / "lightning_mtp"))
-    data.prepare_data()
-    data.setup("fit")
+    data = default_data(args.max_bytes)
     llama = dict(vocab_size=data.vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
@@ -107,10 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         stored = None
     if stored is not None:
         pretrained = args.model_dir / "tiny-llama"
-        model = HFCausalLM(pretrained=str(pretrained), freeze_trunk=True, mtp=MTPConfig(depth=args.depth),
-                           attn_implementation="sdpa")
-        model.configure_model()  # builds the MTP modules, which the stored state fills
-        model.load_state_dict(stored["state_dict"])
+        model = stored_model(args.model_dir, args.depth, stored)
         trunk_info, heads_info = stored["trunk_training"], stored["heads_training"]
         print(f"reusing the model trained earlier in {args.model_dir}")
     else:

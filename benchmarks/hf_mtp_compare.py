@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_costs import AutoChoices, auto_memory  # noqa: E402
-from hf_compare import fit, prompts_from  # noqa: E402
+from hf_compare import default_data, fit, prompts_from  # noqa: E402
 from report import provenance  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
@@ -128,15 +128,6 @@ def smoke_folder(folder: Path, steps: int, prompts: int) -> tuple[list[torch.Ten
     model.eval().save_pretrained(str(folder))
     rows = progressions(prompts, 8, torch.Generator().manual_seed(2))  # (P, 8)
     return [row[8 - n :].view(1, -1) for row, n in zip(rows, ragged_lengths(prompts, 8))], info
-
-
-def default_data(max_bytes: int) -> TextDataModule:
-    """The default corpus as ``benchmarks/hf_compare.py`` reads it (same token cache)."""
-    data = TextDataModule(tokenizer="byte", seq_len=128, batch_size=16, max_bytes=max_bytes,
-                          cache_dir=str(ROOT / ".cache" / "lightning_mtp"))
-    data.prepare_data()
-    data.setup("fit")
-    return data
 
 
 def trained_folder(args: argparse.Namespace, data: TextDataModule) -> tuple[Path, dict]:

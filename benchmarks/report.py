@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_decoding import (  # noqa: E402
     render_decode,
     render_decode_ablation,
+    render_decode_replay,
     render_decode_roofline,
     render_hf_compare,
     render_hf_mtp_compare,
@@ -338,6 +339,7 @@ REGISTRY: dict[str, Entry] = {
     "finetune_acceptance.json": Entry("Fine-tuning on chat data: does acceptance survive?",
                                       render_finetune_acceptance),
     "decode_ablation.json": Entry("What each mechanism of auto is worth", render_decode_ablation),
+    "decode_replay.json": Entry("What each mechanism of auto is worth, without timing noise", render_decode_replay),
     "decode_roofline.json": Entry("Speculative decoding on GPUs, predicted", render_decode_roofline),
     "kernels.json": Entry("Kernels against their torch twins", render_kernels),
     "gpu_check.json": Entry("The GPU check on a lent GPU", render_gpu_check),

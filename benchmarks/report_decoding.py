@@ -1,5 +1,5 @@
 """The decoding sections of ``docs/results.md``: ``decode.py`` (the benchmark and quickstart models),
-``hf_compare.py``, ``hf_mtp_compare.py``, ``decode_ablation.py`` and ``decode_roofline.py`` (see
+``hf_compare.py``, ``hf_mtp_compare.py``, ``decode_ablation.py``, ``decode_replay.py`` and ``decode_roofline.py`` (see
 ``benchmarks/report.py``)."""
 
 from __future__ import annotations
@@ -310,6 +310,39 @@ def render_decode_ablation(source: Source) -> list[str]:
             out.append("")
             out += table(["row", "tokens/s", "τ", "vs plain", "vs auto"],
                          [[r["row"], num(r["tokens_per_s"], 1), num(r["tau"]), f"{num(r['vs_plain'])}×",
+                           f"{num(r['vs_auto'])}×"] for r in rows])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- decode_replay.py
+def render_decode_replay(source: Source) -> list[str]:
+    data = source.data
+    out = [
+        "`speculative=\"auto\"` and its mechanisms judged without timing noise (`benchmarks/decode_replay.py`): "
+        "each option's step (plain, a chain of k drafts) is timed first, alone, in `auto`'s own loop (median per "
+        "batch size); then every row decodes the held-out prompts for real while the policy is told the measured "
+        "cost of each step it ran times a seeded log-normal noise, and the row's time is the sum of those costs. "
+        "Ratios are of modeled times: they compare decisions, not this machine's noise. **vs auto** below 1×: the "
+        "mechanism paid.", "",
+    ]
+    for run in data.get("runs", []):
+        out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
+                   f"{command_text(run.get('command'))}")
+    out.append(f"- **Data:** {result_link(source.name)}")
+    out.append("")
+    verdicts = data.get("verdicts", {})
+    if verdicts:
+        out += table(["mechanism", "most its removal cost on a row", "verdict"],
+                     [[m, f"{100 * v:.1f}%", "pays" if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
+    for label in dict.fromkeys(r["model"] for r in data["rows"]):
+        for batch in sorted({r["batch_size"] for r in data["rows"] if r["model"] == label}):
+            rows = [r for r in data["rows"] if r["model"] == label and r["batch_size"] == batch]
+            costs = data.get("step_costs", {}).get(label, {}).get(str(batch), {}).get("relative", {})
+            out.append(f"**{label}, batch {batch}** (step cost in plain steps: "
+                       + ", ".join(f"{'plain' if k == '0' else f'k={k}'} {num(v)}" for k, v in costs.items()) + ")")
+            out.append("")
+            out += table(["row", "τ", "vs plain", "vs best fixed", "vs auto"],
+                         [[r["row"], num(r["tau"]), f"{num(r['vs_plain'])}×", f"{num(r['vs_best_fixed'])}×",
                            f"{num(r['vs_auto'])}×"] for r in rows])
     return out
 

@@ -192,3 +192,34 @@ def test_the_ablation_keeps_a_mechanism_only_where_removing_it_costs_two_percent
     assert names == ["plain", "chain k=1", "chain k=2", "chain k=3", "auto", "auto without fit",
                      "auto without speed", "auto without guard", "auto without memory", "auto without explore",
                      "auto without rows"]
+
+
+def test_the_replay_costs_every_step_at_its_measured_price_and_restores_the_policy(tiny_checkpoint, tmp_path):
+    """``benchmarks/decode_replay.py`` on a CLI checkpoint: a fixed row's modeled time is its steps times the
+    measured cost of its option (plain decoding: every emitted token after the first), ``auto``'s rows are there
+    with their steps, a second model's rows are appended beside the first's, and the loop is unpatched after."""
+    from lightning_mtp.decoding.tree_policy import AutoSteps
+
+    replay = load_benchmark("decode_replay")
+    _, ckpt = tiny_checkpoint
+    out = tmp_path / "replay.json"
+    observe, choose = AutoSteps.observe_step, AutoPolicy.next
+    args = ["--ckpt", str(ckpt), "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1", "--cost-repeats",
+            "1", "--repeats", "1", "--out", str(out)]
+    replay.main(args + ["--label", "first"])
+    result = replay.main(args + ["--label", "second", "--append"])
+    assert AutoSteps.observe_step is observe and AutoPolicy.next is choose
+    assert {r["model"] for r in result["rows"]} == {"first", "second"} and set(result["step_costs"]) == {
+        "first", "second"}
+    rows = {r["row"]: r for r in result["rows"] if r["model"] == "second"}
+    costs = result["step_costs"]["second"]["1"]["relative"]  # per plain step
+    plain_seconds = rows["plain"]["seconds"] / (2 * 7)  # 2 prompts, 7 steps after the prefill's token
+    assert plain_seconds == pytest.approx(result["step_costs"]["second"]["1"]["plain_step_s"])
+    assert rows["plain"]["steps"] == {"0": 14}
+    for k in range(1, 4):  # depth 2, cascaded: chains of 1..3
+        row = rows[f"chain k={k}"]
+        assert row["seconds"] == pytest.approx(row["steps"][str(k)] * costs[str(k)] * plain_seconds)
+        assert row["vs_plain"] == pytest.approx(rows["plain"]["seconds"] / row["seconds"])
+    assert {"auto", "auto without explore", "auto without guard"} <= set(rows) and "auto without speed" not in rows
+    assert sum(rows["auto"]["steps"].values()) > 0 and set(result["verdicts"]) == {"fit", "guard", "memory",
+                                                                                   "explore", "rows"}
