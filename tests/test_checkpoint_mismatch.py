@@ -205,3 +205,14 @@ def test_export_advice_for_a_frozen_trunk_is_the_heads_alone(tmp_path):
                                          r"onto the model folder \(--model.init_args.pretrained DIR "
                                          r"--model.init_args.mtp_heads FILE\)"):
         check_exportable(frozen)
+
+
+def test_save_trunk_false_is_refused_for_a_trunk_that_trains(tmp_path):
+    """``save_trunk=False`` leaves the trunk out of checkpoints: with a trunk that trains, its training would be lost
+    on resume and in predict (the heads would load over the folder's untrained weights), so it needs
+    ``freeze_trunk``."""
+    folder = llama_folder(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"save_trunk false .*freeze_trunk is false"):
+        HFCausalLM(pretrained=folder, save_trunk=False, mtp=MTPConfig(depth=1))
+    frozen = HFCausalLM(pretrained=folder, freeze_trunk=True, save_trunk=False, mtp=MTPConfig(depth=1))
+    assert frozen.save_trunk is False

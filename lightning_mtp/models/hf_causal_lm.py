@@ -97,7 +97,8 @@ class HFCausalLM(MTPMixin, L.LightningModule):
             included) get no gradient, the trunk stays in eval mode, ``mtp.detach_trunk`` is forced on, and
             checkpoints hold only the MTP weights (see ``save_trunk``).
         save_trunk: keep the trunk's weights in Lightning checkpoints (default: ``not freeze_trunk``, and always
-            when there is no ``pretrained`` folder to take them from again: a wrapped or config-built trunk).
+            when there is no ``pretrained`` folder to take them from again: a wrapped or config-built trunk);
+            ``False`` only with ``freeze_trunk`` (a trunk that trains must be kept).
         mtp_heads: a heads-only checkpoint (:meth:`save_mtp_heads`, or a fit with ``freeze_trunk``) loaded into the
             MTP modules when they are built.
         init_from: a checkpoint of a fit (full, or heads-only over the same ``pretrained`` trunk) whose weights start
@@ -148,6 +149,11 @@ class HFCausalLM(MTPMixin, L.LightningModule):
         self.freeze_trunk = freeze_trunk
         # a heads-only checkpoint takes its trunk from the folder again; without one it would get random weights
         self.save_trunk = (not freeze_trunk or pretrained is None) if save_trunk is None else save_trunk
+        if not self.save_trunk and not freeze_trunk:
+            raise ValueError("HFCausalLM: --model.init_args.save_trunk false leaves the trunk out of checkpoints, but "
+                             "--model.init_args.freeze_trunk is false: the trunk trains, and a resumed fit, predict "
+                             "and the heads would all start from its untrained weights again. Set freeze_trunk true "
+                             "to train the MTP heads alone, or keep the trunk in checkpoints (save_trunk null)")
         self.mtp_heads = mtp_heads
         if init_from is not None and not os.path.exists(init_from):
             raise ValueError(f"--model.init_args.init_from {init_from!r}: no such checkpoint file")
