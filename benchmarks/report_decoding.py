@@ -285,6 +285,27 @@ def render_hf_mtp_compare(source: Source) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- decode_ablation.py
+def runs_and_verdicts(source: Source, kept: str) -> list[str]:
+    """An ablation's runs (machine, command), its data link and the table of verdicts (``kept``: the word for a
+    mechanism whose removal cost at least 2% on some row)."""
+    data = source.data
+    out = [f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
+           f"{command_text(run.get('command'))}" for run in data.get("runs", [])]
+    out += [f"- **Data:** {result_link(source.name)}", ""]
+    verdicts = data.get("verdicts", {})
+    if verdicts:
+        out += table(["mechanism", "most its removal cost on a row", "verdict"],
+                     [[m, f"{100 * v:.1f}%", kept if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
+    return out
+
+
+def by_model_and_batch(rows: list[dict]) -> list[tuple[str, int, list[dict]]]:
+    """An ablation's rows grouped by model (in their order) and batch size."""
+    return [(label, batch, [r for r in rows if r["model"] == label and r["batch_size"] == batch])
+            for label in dict.fromkeys(r["model"] for r in rows)
+            for batch in sorted({r["batch_size"] for r in rows if r["model"] == label})]
+
+
 def render_decode_ablation(source: Source) -> list[str]:
     data = source.data
     out = [
@@ -294,23 +315,12 @@ def render_decode_ablation(source: Source) -> list[str]:
         "(median), the rows interleaved batch by batch of prompts. **vs auto**: tokens/s over the whole policy's "
         "(below 1×: the mechanism paid); a mechanism stays only if turning it off costs at least 2% on some row.", "",
     ]
-    for run in data.get("runs", []):
-        out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
-                   f"{command_text(run.get('command'))}")
-    out.append(f"- **Data:** {result_link(source.name)}")
-    out.append("")
-    verdicts = data.get("verdicts", {})
-    if verdicts:
-        out += table(["mechanism", "most its removal cost on a row", "verdict"],
-                     [[m, f"{100 * v:.1f}%", "kept" if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
-    for label in dict.fromkeys(r["model"] for r in data["rows"]):
-        for batch in sorted({r["batch_size"] for r in data["rows"] if r["model"] == label}):
-            rows = [r for r in data["rows"] if r["model"] == label and r["batch_size"] == batch]
-            out.append(f"**{label}, batch {batch}**")
-            out.append("")
-            out += table(["row", "tokens/s", "τ", "vs plain", "vs auto"],
-                         [[r["row"], num(r["tokens_per_s"], 1), num(r["tau"]), f"{num(r['vs_plain'])}×",
-                           f"{num(r['vs_auto'])}×"] for r in rows])
+    out += runs_and_verdicts(source, "kept")
+    for label, batch, rows in by_model_and_batch(data["rows"]):
+        out += [f"**{label}, batch {batch}**", ""]
+        out += table(["row", "tokens/s", "τ", "vs plain", "vs auto"],
+                     [[r["row"], num(r["tokens_per_s"], 1), num(r["tau"]), f"{num(r['vs_plain'])}×",
+                       f"{num(r['vs_auto'])}×"] for r in rows])
     return out
 
 
@@ -325,25 +335,14 @@ def render_decode_replay(source: Source) -> list[str]:
         "Ratios are of modeled times: they compare decisions, not this machine's noise. **vs auto** below 1×: the "
         "mechanism paid.", "",
     ]
-    for run in data.get("runs", []):
-        out.append(f"- **{run['label']}:** machine {machine_text(run.get('machine'))}; command "
-                   f"{command_text(run.get('command'))}")
-    out.append(f"- **Data:** {result_link(source.name)}")
-    out.append("")
-    verdicts = data.get("verdicts", {})
-    if verdicts:
-        out += table(["mechanism", "most its removal cost on a row", "verdict"],
-                     [[m, f"{100 * v:.1f}%", "pays" if v >= 0.02 else "below 2%"] for m, v in verdicts.items()])
-    for label in dict.fromkeys(r["model"] for r in data["rows"]):
-        for batch in sorted({r["batch_size"] for r in data["rows"] if r["model"] == label}):
-            rows = [r for r in data["rows"] if r["model"] == label and r["batch_size"] == batch]
-            costs = data.get("step_costs", {}).get(label, {}).get(str(batch), {}).get("relative", {})
-            out.append(f"**{label}, batch {batch}** (step cost in plain steps: "
-                       + ", ".join(f"{'plain' if k == '0' else f'k={k}'} {num(v)}" for k, v in costs.items()) + ")")
-            out.append("")
-            out += table(["row", "τ", "vs plain", "vs best fixed", "vs auto"],
-                         [[r["row"], num(r["tau"]), f"{num(r['vs_plain'])}×", f"{num(r['vs_best_fixed'])}×",
-                           f"{num(r['vs_auto'])}×"] for r in rows])
+    out += runs_and_verdicts(source, "pays")
+    for label, batch, rows in by_model_and_batch(data["rows"]):
+        costs = data.get("step_costs", {}).get(label, {}).get(str(batch), {}).get("relative", {})
+        out += [f"**{label}, batch {batch}** (step cost in plain steps: "
+                + ", ".join(f"{'plain' if k == '0' else f'k={k}'} {num(v)}" for k, v in costs.items()) + ")", ""]
+        out += table(["row", "τ", "vs plain", "vs best fixed", "vs auto"],
+                     [[r["row"], num(r["tau"]), f"{num(r['vs_plain'])}×", f"{num(r['vs_best_fixed'])}×",
+                       f"{num(r['vs_auto'])}×"] for r in rows])
     return out
 
 
