@@ -31,7 +31,9 @@ class PredictionWriter(BasePredictionWriter):
     well: a run that fails or is stopped leaves the previous run's outputs untouched (and removes its partial files).
 
     Args:
-        output_dir: directory for the files (created). Under several processes the files get a ``.rank<N>`` suffix.
+        output_dir: directory for the files (created). Under several processes the files get a ``.rank<N>`` suffix;
+            each holds its process's share of the prompts (the padding rows that even the shares out are not
+            written), and a run removes the files of an earlier run on another number of processes.
 
     Example::
 
@@ -69,6 +71,11 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError(f"PredictionWriter.output_dir (--trainer.callbacks.init_args.output_dir) "
                              f"{str(self.output_dir)!r} cannot be created: {error.strerror or error}") from None
         self._partial(trainer, "generations.jsonl").write_text("", encoding="utf-8")
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if trainer.world_size > 1 and not getattr(connector, "use_distributed_sampler", True) and \
+                trainer.is_global_zero:
+            print("lightning-mtp: --trainer.use_distributed_sampler false: every process decodes every prompt (each "
+                  "generations.rank<N>.jsonl holds them all)", file=sys.stderr, flush=True)
         self._stats, self._rows = [], 0
         self._signal = None
         if threading.current_thread() is threading.main_thread():  # Lightning's own handler does not stop predict
@@ -82,8 +89,11 @@ class PredictionWriter(BasePredictionWriter):
         indices = list(batch_indices) if batch_indices else range(self._rows, self._rows + len(prediction["tokens"]))
         dataset = getattr(getattr(trainer, "datamodule", None), "predict_dataset", None)
         lines = getattr(dataset, "lines", None)  # each prompt's line in a prompts file (blank lines skipped)
+        count = len(dataset) if dataset is not None and batch_indices else None
         with self._partial(trainer, "generations.jsonl").open("a", encoding="utf-8") as file:
             for index, prompt, text, tokens in zip(indices, prompts, texts, prediction["tokens"]):
+                if count is not None and int(index) >= count:
+                    continue  # padding that gives every process as many batches (a repeat of the first prompt)
                 record = {"index": int(index), "prompt": prompt, "completion": text, "tokens": tokens}  # prompt's own
                 if lines is not None and batch_indices:
                     record["line"] = lines[int(index)]
@@ -100,9 +110,23 @@ class PredictionWriter(BasePredictionWriter):
             generation["eos_token_id"] = list(datamodule.stop_ids)  # what the rows stopped at (predict_batch)
         summary["tau_counts_bonus_token"] = True
         self._partial(trainer, "stats.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("predict outputs")  # every process done, or none replaces its outputs
         for name in self.FILES:  # generations first: a reader of stats.json finds its generations in place
             os.replace(self._partial(trainer, name), self._path(trainer, name))
+        if trainer.is_global_zero:
+            self._remove_other_layouts(trainer.world_size)
         self._restore_handler()
+
+    def _remove_other_layouts(self, world_size: int) -> None:
+        """Remove the outputs an earlier run on another number of processes left (``generations.jsonl`` beside
+        ``generations.rank<N>.jsonl``): the folder holds this run's files only, whatever reads them."""
+        for name in self.FILES:
+            stem, ext = name.rsplit(".", 1)
+            mine = {f"{stem}.rank{rank}.{ext}" for rank in range(world_size)} if world_size > 1 else {name}
+            for path in [self.output_dir / name, *self.output_dir.glob(f"{stem}.rank*.{ext}")]:
+                if path.name not in mine:
+                    path.unlink(missing_ok=True)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         for name in self.FILES:

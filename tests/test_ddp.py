@@ -52,3 +52,46 @@ def test_validation_on_two_processes_reports_what_one_process_does(tmp_path):
     for name in ("val/loss", "val/main/loss", "val/main/acc", "val/mtp/loss_depth2"):
         assert abs(metrics["text"][name] - one[name]) < 1e-5, (name, metrics["text"][name], one[name])
     assert "val/mtp/accept_depth2" in metrics["monitor"] and "val/mtp/accept_depth1" in metrics["monitor"]
+
+
+def test_predict_on_two_processes_writes_every_prompt_once_as_one_process_does(tiny_checkpoint, tmp_path):
+    """Five prompts at batch 1 on two processes: Lightning's predict sampler gave them 3 and 2 batches, and the
+    writer's per-batch stop check (a collective) failed on the process with none left (exit 1, rank 0's outputs lost).
+    Now every prompt is written once, as one process decodes it; a run's folder drops an earlier run's files of another
+    layout; and sampling draws one stream per process (the same seed on both gave their n-th rows the same samples)."""
+    from conftest import tiny_predict_args
+
+    workdir, ckpt = tiny_checkpoint
+    cli = str(Path(sys.executable).with_name("lightning-mtp"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    env.pop("PL_GLOBAL_SEED", None)
+
+    def run(out: Path, prompts: list[str], devices: int, *extra: str) -> dict[int, list[list[int]]]:
+        file = tmp_path / f"{out.name}.txt"
+        file.write_text("\n".join(prompts) + "\n")
+        args = tiny_predict_args(workdir, ckpt, "--data.init_args.predict_prompts", str(file),
+                                 "--data.init_args.batch_size", "1", "--trainer.callbacks.init_args.output_dir",
+                                 str(out), "--trainer.devices", str(devices),
+                                 *(["--trainer.strategy", "ddp"] if devices > 1 else []), *extra)
+        proc = subprocess.run([cli, *args], env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows: dict[int, list[list[int]]] = {}
+        for path in out.glob("generations*.jsonl"):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                rows.setdefault(record["index"], []).append(record["tokens"])
+        return rows
+
+    texts = ["def f(x):", "import os", "class A:", "for i in", "return x"]
+    one = run(tmp_path / "out", texts, 1)
+    two = run(tmp_path / "out", texts, 2)  # into the same folder: the one-process files go
+    assert sorted(two) == [0, 1, 2, 3, 4] and all(len(v) == 1 for v in two.values())
+    assert two == one
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "generations.rank0.jsonl", "generations.rank1.jsonl", "stats.rank0.json", "stats.rank1.json"]
+
+    sampled = run(tmp_path / "sampled", ["def f(x):"] * 4, 2, "--model.init_args.generation.temperature", "1.0",
+                  "--model.init_args.generation.seed", "0")
+    assert sorted(sampled) == [0, 1, 2, 3]
+    assert sampled[0] != sampled[1] and sampled[2] != sampled[3]  # rank 0 has rows 0 and 2, rank 1 rows 1 and 3

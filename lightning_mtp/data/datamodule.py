@@ -672,14 +672,21 @@ class TextDataModule(L.LightningDataModule):
         that evens their shares out scores nothing (:class:`PaddingMarkedSampler`): Lightning's own sampler repeats
         the first rows there, which the token-weighted ``val/`` means then counted twice."""
         self.setup("validate")
+        sampler = self._padding_marked_sampler(self.val_dataset)
+        if sampler is None:
+            return self._loader(self.val_dataset, shuffle=False)
+        kwargs = {} if self.records is None else {"collate_fn": self.records.collate(self.val_dataset, self.pad_id)}
+        return self._loader(sampler.dataset, shuffle=False, sampler=sampler, **kwargs)
+
+    def _padding_marked_sampler(self, rows: Dataset) -> Optional[PaddingMarkedSampler]:
+        """On several processes (with Lightning's distributed sampling on): each process's share of ``rows`` in order,
+        evened out by padding indices past the end (:class:`UnscoredPadding` gives them row 0, scoring nothing);
+        ``None`` on one process."""
         trainer = self.trainer
         connector = getattr(trainer, "_accelerator_connector", None)
         if trainer is None or trainer.world_size <= 1 or not getattr(connector, "use_distributed_sampler", True):
-            return self._loader(self.val_dataset, shuffle=False)
-        rows = UnscoredPadding(self.val_dataset)
-        kwargs = {} if self.records is None else {"collate_fn": self.records.collate(self.val_dataset, self.pad_id)}
-        return self._loader(rows, shuffle=False, sampler=PaddingMarkedSampler(rows, trainer.world_size,
-                                                                                trainer.global_rank), **kwargs)
+            return None
+        return PaddingMarkedSampler(UnscoredPadding(rows), trainer.world_size, trainer.global_rank)
 
     def test_dataloader(self) -> DataLoader:
         """Same as ``val_dataloader`` (the corpus has no separate test split)."""
@@ -745,4 +752,9 @@ class TextDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """Batches ``{"input_ids": LongTensor[B, L] right-padded with pad_id, "lengths": LongTensor[B],
         "prompt_text": list[str]}``."""
-        return self._loader(self.prompt_dataset(), shuffle=False, collate_fn=PromptCollator(self.pad_id))
+        prompts, collate = self.prompt_dataset(), PromptCollator(self.pad_id)
+        sampler = self._padding_marked_sampler(prompts)  # several processes: the same number of batches on each (the
+        # decoding steps and the writer's stop check are collectives); PredictionWriter drops the padding rows
+        if sampler is None:
+            return self._loader(prompts, shuffle=False, collate_fn=collate)
+        return self._loader(sampler.dataset, shuffle=False, collate_fn=collate, sampler=sampler)

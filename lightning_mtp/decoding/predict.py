@@ -24,14 +24,22 @@ def _datamodule(module: nn.Module) -> Any:
     return getattr(trainer, "datamodule", None) if trainer is not None else None
 
 
+RANK_STREAM = 0x9E3779B97F4A7C15
+"""Process ``r`` of a predict on several seeds its generator with ``seed + r * RANK_STREAM`` (mod 2**63): each
+process draws its own stream (the same seed on every process gave their n-th rows the same samples)."""
+
+
 def _generator(module: nn.Module, seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
-    """One generator per module and seed, so that successive batches continue the same random stream."""
+    """One generator per module and seed, so that successive batches continue the same random stream; on several
+    processes one stream per process (:data:`RANK_STREAM`), the same for the same seed and number of processes."""
     if seed is None:
         return None
-    key = (seed, str(device))
+    trainer = getattr(module, "_trainer", None)
+    rank = int(getattr(trainer, "global_rank", 0) or 0) if trainer is not None else 0
+    key = (seed, str(device), rank)
     cached = getattr(module, "_mtp_predict_generator", None)
     if cached is None or cached[0] != key:
-        cached = (key, torch.Generator(device=device).manual_seed(seed))
+        cached = (key, torch.Generator(device=device).manual_seed((seed + rank * RANK_STREAM) % 2**63))
         module._mtp_predict_generator = cached
     return cached[1]
 
