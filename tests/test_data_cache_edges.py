@@ -261,3 +261,35 @@ def test_private_folders_a_killed_build_left_are_removed_by_the_next_build(tmp_p
         (folder / "train").mkdir(parents=True)
     byte_dm(corpus, tmp_path / "cache").setup("fit")
     assert not dead.exists() and alive.exists()
+
+
+def test_a_records_file_still_being_written_when_read_is_not_cached_as_the_finished_file(tmp_path, monkeypatch):
+    """A fit read a JSONL file half written by another job (an export still running), which then finished it: the
+    tokenized records were cached under the finished file's key (the files were looked at after reading), so every
+    later fit on the complete file trained on half of it, and a resume of that fit saw no change. The key and the
+    checkpoint's corpus record are the files as they were when read."""
+    import lightning_mtp.data.records as records_module
+
+    corpus = write_jsonl(tmp_path / "data" / "part.jsonl", [f"record {i} " * 4 for i in range(40)])
+    real = records_module.load_record_parts
+
+    def read_then_finish(files, cache_dir):  # the other job appends the rest right after the fit's read
+        parts = real(files, cache_dir)
+        with open(corpus, "a", encoding="utf-8") as fh:
+            fh.writelines(json.dumps({"text": f"record {i} " * 4}) + "\n" for i in range(40, 80))
+        return parts
+
+    monkeypatch.setattr(records_module, "load_record_parts", read_then_finish)
+    first = byte_dm(corpus, tmp_path / "cache")
+    first.setup("fit")
+    assert sum(map(len, first.records.splits())) == 40
+    saved = first.state_dict()
+    monkeypatch.setattr(records_module, "load_record_parts", real)
+
+    later = byte_dm(corpus, tmp_path / "cache")
+    later.setup("fit")
+    assert sum(map(len, later.records.splits())) == 80
+    fresh = byte_dm(corpus, tmp_path / "fresh_cache")
+    fresh.setup("fit")  # rows of every record, as a cache of the complete file has them (not the half one's)
+    assert (len(later.train_dataset), len(later.val_dataset)) == (len(fresh.train_dataset), len(fresh.val_dataset))
+    assert warned(lambda: byte_dm(corpus, tmp_path / "cache").load_state_dict(saved), "corpus changed")

@@ -449,6 +449,7 @@ class TextDataModule(L.LightningDataModule):
         if self._predicting_from_file():
             return
         self.check_cache_dir()
+        self._corpus_fingerprint()  # the files as they are read (a file still being written: a resume compares)
         if self.records is not None:
             self.records.build(self.load_tokenizer(), self.num_proc)
             return
@@ -519,11 +520,11 @@ class TextDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         self.check_cache_dir()
+        self._corpus_fingerprint()  # the files as they are read, for the checkpoint (a resume compares)
         if self.records is not None:
             self._warn_raw_only_settings()
             self.records.build(self.load_tokenizer(), self.num_proc)
             self.train_dataset, self.val_dataset = self.records.train_rows, self.records.val_rows
-            self._corpus_fingerprint()  # the files as they are now, for the checkpoint (a resume compares)
             return
         out = self._token_dir or self._prepare()
         train = np.load(out / "train.npy", mmap_mode="r")

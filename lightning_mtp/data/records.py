@@ -244,10 +244,10 @@ def split_positions(count: int, val_fraction: float, seed: int) -> tuple[list[in
     return np.flatnonzero(~is_val).tolist(), np.flatnonzero(is_val).tolist()
 
 
-def cache_folder(files: Sequence[Path], tokenizer: Tokenizer, settings: RecordSettings, cache_dir: Path) -> Path:
-    """``<cache_dir>/records/<tokenizer>-<key>``: the key hashes the files, the tokenizer (its chat template
-    included) and the settings."""
-    payload = {"files": files_fingerprint(files), "tokenizer": tokenizer.fingerprint,
+def cache_folder(files_state: list, tokenizer: Tokenizer, settings: RecordSettings, cache_dir: Path) -> Path:
+    """``<cache_dir>/records/<tokenizer>-<key>``: the key hashes the files (``files_state``: their
+    :func:`files_fingerprint` when they were read), the tokenizer (its chat template included) and the settings."""
+    payload = {"files": files_state, "tokenizer": tokenizer.fingerprint,
                "template": getattr(tokenizer, "chat_template", None), "settings": asdict(settings),
                "format": _FORMAT_VERSION, "turns": TURNS_VERSION}
     key = hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode("utf-8")).hexdigest()
@@ -410,6 +410,7 @@ class RecordCorpus:
     def __init__(self, files: Sequence[Path], settings: RecordSettings, cache_dir: Path) -> None:
         self.files, self.settings, self.cache_dir = list(files), settings, Path(cache_dir)
         self._splits: Optional[tuple[Any, Any]] = None
+        self._read_state: list = []  # the files' fingerprint when splits() read them (the cache key)
         self.positions: Optional[tuple[list[int], list[int]]] = None  # the (train, val) records' corpus positions
         self.chat: Optional[bool] = None
         self.completion = False  # plain prompt-completion records (conversational ones are read as chat records)
@@ -421,6 +422,8 @@ class RecordCorpus:
     def splits(self) -> tuple[Any, Any]:
         """The raw (train, val) records, read once."""
         if self._splits is None:
+            self._read_state = files_fingerprint(self.files)  # before reading: a file still being written gets the
+            # cache key of what was read, not of the finished file (cache_folder)
             parts = load_record_parts(self.files, self.cache_dir)
             records = join_record_parts(parts)
             settings = self.settings
@@ -459,7 +462,7 @@ class RecordCorpus:
         if self.train_rows is not None:
             return
         train, val = self.splits()
-        folder = cache_folder(self.files, tokenizer, self.settings, self.cache_dir)
+        folder = cache_folder(self._read_state, tokenizer, self.settings, self.cache_dir)
         self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
                                           self.positions, self.completion)
         remove_stale_private(folder)  # the packed rows' private folders of a killed build
