@@ -293,3 +293,14 @@ def test_a_records_file_still_being_written_when_read_is_not_cached_as_the_finis
     fresh.setup("fit")  # rows of every record, as a cache of the complete file has them (not the half one's)
     assert (len(later.train_dataset), len(later.val_dataset)) == (len(fresh.train_dataset), len(fresh.val_dataset))
     assert warned(lambda: byte_dm(corpus, tmp_path / "cache").load_state_dict(saved), "corpus changed")
+
+
+def test_a_cache_subfolder_that_cannot_be_written_is_named_before_anything_is_read(tmp_path):
+    """A shared cache whose ``records`` folder this process cannot write (another user's, mode 755; here a file in
+    its place, which root cannot write into either) failed with a traceback from deep in the build: refused naming
+    ``--data.cache_dir``, the subfolder and why."""
+    corpus = write_jsonl(tmp_path / "data" / "part.jsonl", [f"record {i} " * 4 for i in range(20)])
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "records").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"--data.cache_dir .*its 'records' folder cannot be written: it is a file"):
+        byte_dm(corpus, tmp_path / "cache").setup("fit")

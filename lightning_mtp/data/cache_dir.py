@@ -26,6 +26,23 @@ def check_writable(folder: Path) -> None:
             f"--data.cache_dir {str(folder)!r} cannot be written: {unwritable_reason(folder, error)}; the data caches "
             "(tokenizers, Arrow tables, token ids) are written there, and read with lock files even when complete: "
             "give a folder this process can write (copy a read-only cache there)") from None
+    for sub in sorted(CACHE_SUBFOLDERS):  # a shared cache whose subfolder another user made (mode 755) or a file
+        path = folder / sub
+        if not path.exists() and not path.is_symlink():
+            continue
+        try:
+            write_probe(path)
+        except OSError as error:
+            raise ValueError(
+                f"--data.cache_dir {str(folder)!r}: its {sub!r} folder cannot be written: "
+                f"{unwritable_reason(path, error)}; lightning-mtp writes its {CACHE_SUBFOLDERS[sub]} there: give "
+                "--data.cache_dir a folder of your own (or make that one writable)") from None
+
+
+CACHE_SUBFOLDERS = {"datasets": "Arrow tables of record files", "records": "tokenized records",
+                    "tokenizers": "trained BPE tokenizers", "tokens": "token ids of text corpora",
+                    "utf8": "decoded text of corpus files"}
+"""The folders the data caches write under ``--data.cache_dir``, checked with it (:func:`check_writable`)."""
 
 
 def write_probe(folder: Path) -> None:
