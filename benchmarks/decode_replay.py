@@ -78,7 +78,7 @@ class Replay:
         self.seconds += self.costs[drafts]
         return self.costs[drafts] * math.exp(self.rng.gauss(0.0, self.noise)) if math.isfinite(seconds) else seconds
 
-    def retired(self, rows: int) -> None:
+    def retired(self) -> None:
         """A call decoded by the plain loop from its start: its plain steps."""
         self.steps["retired"] += self.max_new_tokens - 1
         if self.costs is not None:
@@ -99,7 +99,7 @@ def patched(replay: Replay) -> Iterator[Replay]:
             raise ValueError("decode_replay replays chain options only")
         init(self, policy, tree_mode)
         if self.retired:
-            replay.retired(policy.batch_size)
+            replay.retired()
 
     def next_option(self):
         if replay.force is None:
