@@ -57,8 +57,10 @@ def test_validation_on_two_processes_reports_what_one_process_does(tmp_path):
 def test_predict_on_two_processes_writes_every_prompt_once_as_one_process_does(tiny_checkpoint, tmp_path):
     """Five prompts at batch 1 on two processes: Lightning's predict sampler gave them 3 and 2 batches, and the
     writer's per-batch stop check (a collective) failed on the process with none left (exit 1, rank 0's outputs lost).
-    Now every prompt is written once, as one process decodes it; a run's folder drops an earlier run's files of another
-    layout; and sampling draws one stream per process (the same seed on both gave their n-th rows the same samples)."""
+    Now every prompt is written once, as one process decodes it; the folder holds one ``generations.jsonl`` and one
+    ``stats.json`` as after one process (it held a ``generations.rank<N>.jsonl`` and ``stats.rank<N>.json`` per
+    process, the stats counting the padding row); a run's folder drops an earlier run's files of another layout; and
+    sampling draws one stream per process (the same seed on both gave their n-th rows the same samples)."""
     from conftest import tiny_predict_args
 
     workdir, ckpt = tiny_checkpoint
@@ -84,12 +86,22 @@ def test_predict_on_two_processes_writes_every_prompt_once_as_one_process_does(t
         return rows
 
     texts = ["def f(x):", "import os", "class A:", "for i in", "return x"]
-    one = run(tmp_path / "out", texts, 1)
-    two = run(tmp_path / "out", texts, 2)  # into the same folder: the one-process files go
+    out = tmp_path / "out"
+    one = run(out, texts, 1)
+    one_lines = (out / "generations.jsonl").read_text().splitlines()
+    one_stats = json.loads((out / "stats.json").read_text())
+    (out / "stats.rank1.json").write_text("{}")  # an earlier run's file of another layout: the next run removes it
+    two = run(out, texts, 2)  # into the same folder
     assert sorted(two) == [0, 1, 2, 3, 4] and all(len(v) == 1 for v in two.values())
     assert two == one
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "generations.rank0.jsonl", "generations.rank1.jsonl", "stats.rank0.json", "stats.rank1.json"]
+    # one process's layout: every prompt once, in prompt order, and the stats of the prompts (not of the padding)
+    assert sorted(p.name for p in out.iterdir()) == ["generations.jsonl", "stats.json"]
+    assert (out / "generations.jsonl").read_text().splitlines() == one_lines
+    two_stats = json.loads((out / "stats.json").read_text())
+    assert two_stats.keys() == one_stats.keys()
+    for name in ("calls", "rows", "total_new_tokens", "row_forwards", "main_forwards", "drafted_per_depth",
+                 "accepted_per_depth", "accepted_length_histogram", "tau", "generation"):
+        assert two_stats[name] == one_stats[name], (name, two_stats[name], one_stats[name])
 
     sampled = run(tmp_path / "sampled", ["def f(x):"] * 4, 2, "--model.init_args.generation.temperature", "1.0",
                   "--model.init_args.generation.seed", "0")
