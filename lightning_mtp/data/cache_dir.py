@@ -1,5 +1,7 @@
 """The cache folder (``--data.cache_dir``) must be one this process can write: checked before anything is read into
-it, with a message naming the flag and why (a file, under a file, a read-only file system, permission denied).
+it, with a message naming the flag and why (a file, under a file, a read-only file system, permission denied). A write
+that fails later, part-way (the disk or the quota full), is told the same way (:func:`writing_cache`): the folder being
+written, the system's reason and what to do, never a traceback or a corpus file blamed for it.
 
 Example::
 
@@ -10,9 +12,14 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 
 def check_writable(folder: Path) -> None:
@@ -63,3 +70,84 @@ def unwritable_reason(folder: Path, error: OSError) -> str:
     if existing.exists() and not existing.is_dir():
         return f"{str(existing)!r} is a file, not a folder" if existing != folder else "it is a file, not a folder"
     return error.strerror or type(error).__name__
+
+
+_ELSEWHERE = "point --data.cache_dir at a disk with room"
+WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", f"free space on that disk, or {_ELSEWHERE}"),
+    errno.EDQUOT: ("the disk quota is exceeded", f"free space within your quota (or raise it), or {_ELSEWHERE}"),
+    errno.EFBIG: ("a file grew past what the file system holds",
+                  "point --data.cache_dir at a file system that holds large files"),
+    errno.EROFS: ("the file system is read-only", "give --data.cache_dir a folder this process can write"),
+}
+"""The errors that say a cache file could not be written (never that a corpus file could not be read): what each
+means and what to do."""
+_DATASETS_NO_SPACE = "Not enough disk space"
+"""How ``datasets`` words its own check of the free space, an ``OSError`` without an errno."""
+
+
+@contextmanager
+def writing_cache(cache_dir: Path, folder: Path, what: str) -> Iterator[None]:
+    """Turn a write that fails inside (the disk full, the quota exceeded, however deep in ``datasets`` or numpy and
+    whatever wraps it) into one ``ValueError`` naming ``--data.cache_dir``, the ``folder`` being written, ``what``
+    it holds, the reason with its errno name, and what to do (:func:`cache_write_error`). Other errors pass as they
+    are. The writers leave no partial file under a final name: they write private names and rename when complete.
+
+    Example::
+
+        >>> import tempfile
+        >>> cache = Path(tempfile.mkdtemp())
+        >>> try:
+        ...     with writing_cache(cache, cache / "records", "tokenized records"):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ... except ValueError as error:
+        ...     print(str(error).replace(str(cache), "CACHE").split(" failed: ")[1])
+        the disk is full (ENOSPC): free space on that disk, or point --data.cache_dir at a disk with room
+    """
+    try:
+        yield
+    except Exception as error:
+        failure = cache_write_failure(error)
+        if failure is None:
+            raise
+        raise cache_write_error(cache_dir, folder, what, failure) from None
+
+
+def cache_write_failure(error: BaseException) -> Optional[OSError]:
+    """The ``OSError`` of :data:`WRITE_FAILURES` that ``error`` is, was raised from or while handling (``datasets``
+    wraps it in its own errors); ``None`` when there is none."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and (
+                current.errno in WRITE_FAILURES or str(current).startswith(_DATASETS_NO_SPACE)):
+            return current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return None
+
+
+def cache_write_error(cache_dir: Path, folder: Path, what: str, error: OSError) -> ValueError:
+    """The one-line refusal of a cache write that failed with ``error`` (one of :data:`WRITE_FAILURES`; ``datasets``'
+    own free-space check counts as ``ENOSPC``)."""
+    code = error.errno if error.errno in WRITE_FAILURES else errno.ENOSPC
+    reason, advice = WRITE_FAILURES[code]
+    return ValueError(f"--data.cache_dir {str(cache_dir)!r}: writing the {what} into {str(folder)!r} failed: {reason} "
+                      f"({errno.errorcode[code]}): {advice}")
+
+
+def check_free_space(cache_dir: Path, folder: Path, what: str, needed: int) -> None:
+    """Refuse (as :func:`cache_write_error` words it) to write ``needed`` bytes into ``folder`` when its disk has less
+    room: files filled through a memory map (numpy's ``open_memmap``) are sparse, so a full disk is met while the
+    pages are written, and the process dies of ``SIGBUS`` instead of an error."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        error = cache_write_error(cache_dir, folder, what, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        raise ValueError(f"{error} (it needs {_megabytes(needed)}, {_megabytes(free)} are free)")
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB"

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mtp.data.atomic import atomic_write
-from lightning_mtp.data.cache_dir import check_writable
+from lightning_mtp.data.cache_dir import check_writable, writing_cache
 from lightning_mtp.data.corpus import (
     CORPUS_FLAG,
     FileSpan,
@@ -473,7 +473,8 @@ class TextDataModule(L.LightningDataModule):
         corpus characters stand for bytes that are not UTF-8 (``meta.json`` keeps the counts and the warning)."""
         out = self.token_cache_dir()
         if not (out / "meta.json").is_file():
-            self._tokenize_corpus(out)
+            with writing_cache(self.cache_dir, out, "token ids of the corpus"):
+                self._tokenize_corpus(out)
         undecodable = json.loads((out / "meta.json").read_text(encoding="utf-8")).get("undecodable") or {}
         if undecodable.get("warning"):
             rank_zero_warn(undecodable["warning"])

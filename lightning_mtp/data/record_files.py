@@ -5,7 +5,10 @@ empty, the first line that is not JSON, a ``save_to_disk`` folder), each file on
 is refused beside others as it is alone. Records come in the order of their files' sorted paths, whatever their types
 (the split hashes a record's position: a file sorting after the others never moves an earlier record). Gzip'd JSON and
 CSV files are read decompressed; other compressed files are refused. The Arrow tables ``datasets`` writes are kept
-under ``<cache_dir>/datasets/<files>/<version>``, one version (the files' sizes and modification times) at a time.
+under ``<cache_dir>/datasets/<files>/<version>``, one version (the files' sizes and modification times) at a time; a
+write there that fails (the disk full) is told as the cache's, never as a corpus file that cannot be read, and the
+temporary files ``datasets`` leaves behind when a build is killed or fails are removed once they are old
+(:func:`remove_stale_temporaries`).
 
 Example::
 
@@ -26,12 +29,16 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import re
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
+from lightning_mtp.data.cache_dir import cache_write_error, cache_write_failure, writing_cache
 from lightning_mtp.data.corpus import (
     COMPRESSED_RECORDS,
     CORPUS_FLAG,
@@ -155,6 +162,7 @@ def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart
     ``files`` (sorted paths, whatever their types): one part per run of files of one type, or per file when files of
     one type have different fields (a chat file beside a text file)."""
     arrow = arrow_cache(files, cache_dir)
+    remove_stale_temporaries(cache_dir / "datasets")
     parts = []
     for suffix, chosen in _runs_of_one_type(files):
         json_part = suffix in _JSON_TYPES
@@ -165,13 +173,13 @@ def load_record_parts(files: Sequence[Path], cache_dir: Path) -> list[RecordPart
             parts.append(RecordPart(_load(suffix, chosen, arrow), chosen, json_part))
             continue
         except Exception as error:  # noqa: BLE001 - a file datasets cannot read: name it and the reason
-            if len(chosen) == 1:
-                raise _cannot_read(suffix, chosen, error) from None
+            if len(chosen) == 1 or cache_write_failure(error) is not None:
+                raise _not_loaded(suffix, chosen, error, cache_dir, arrow) from None
         for name in chosen:  # files of one type that do not read together: each on its own
             try:
                 parts.append(RecordPart(_load(suffix, [name], arrow), [name], json_part))
             except Exception as error:  # noqa: BLE001
-                raise _cannot_read(suffix, [name], error) from None
+                raise _not_loaded(suffix, [name], error, cache_dir, arrow) from None
     _drop_other_versions(arrow)
     return parts
 
@@ -218,6 +226,59 @@ def _drop_other_versions(arrow: Path) -> None:
 def _load(suffix: str, files: list[str], arrow: Path) -> Any:
     return datasets_library().load_dataset(_BUILDERS[suffix], data_files=files, split="train", cache_dir=str(arrow),
                                            **_BUILDER_OPTIONS.get(suffix, {}))
+
+
+def _not_loaded(suffix: str, files: list[str], error: BaseException, cache_dir: Path, arrow: Path) -> ValueError:
+    """Why ``files`` did not load: the Arrow tables could not be written under ``--data.cache_dir`` (the disk full:
+    the files are not to blame), else why they cannot be read (:func:`_cannot_read`)."""
+    failure = cache_write_failure(error)
+    if failure is not None:
+        return cache_write_error(cache_dir, arrow, "Arrow tables of the record files", failure)
+    return _cannot_read(suffix, files, error)
+
+
+_TEMPORARY = re.compile(r"^tmp[a-z0-9_]{8}$")
+"""The name of a temporary file ``datasets`` writes a table into (``tempfile.NamedTemporaryFile`` beside the cache
+file it becomes, in ``map``, ``filter`` and ``select``) before renaming it."""
+STALE_TEMPORARY_SECONDS = 3600
+"""How long a ``datasets`` temporary file goes unmodified before it is taken for one a killed or failed build left
+behind. A build that is running writes its file batch after batch (a few seconds apart): an hour leaves room for a
+slow tokenizer or a process paused a while, and a concurrent run's file is never removed under it."""
+
+
+def remove_stale_temporaries(folder: Path, older_than: float = STALE_TEMPORARY_SECONDS) -> list[Path]:
+    """Remove the temporary files ``datasets`` left under ``folder`` (``<cache_dir>/datasets``), returning them.
+    ``datasets`` removes its own when a build raises, unless removing needs a write that fails again (a full disk);
+    a build killed (SIGKILL, out of memory) removes none. They are told by their name (:data:`_TEMPORARY`) and
+    their age: unmodified for ``older_than`` seconds, so a concurrent run sharing the cache, which keeps writing its
+    files and takes no lock while it maps, never loses one it is writing. Their names carry no process id to check,
+    as this package's private files do (:func:`~lightning_mtp.data.records.remove_stale_private`).
+
+    Example::
+
+        >>> folder = getfixture("tmp_path")
+        >>> old, new = folder / "tmpabcd1234", folder / "tmpwxyz9876"
+        >>> _ = old.write_bytes(b"x"), new.write_bytes(b"x")
+        >>> os.utime(old, (0, 0))
+        >>> [p.name for p in remove_stale_temporaries(folder)], new.exists()
+        (['tmpabcd1234'], True)
+    """
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    cutoff = time.time() - older_than
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = Path(parent) / name
+            if not _TEMPORARY.match(name) or path.is_symlink():
+                continue
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed.append(path)
+            except OSError:  # gone meanwhile (another run removed it), or not ours to remove
+                continue
+    return removed
 
 
 def _cannot_read(suffix: str, files: list[str], error: BaseException) -> ValueError:
@@ -278,6 +339,87 @@ def _parquet_rows(path: Path) -> Optional[int]:
     try:
         return pq.read_metadata(path).num_rows
     except Exception:  # noqa: BLE001 - not Parquet: reading it with datasets names the reason
+        return None
+
+
+def record_source(parts: Sequence[RecordPart], position: int) -> str:
+    """Where the record at ``position`` (from 0, in the order read) of the joined ``parts`` is, for a user to open:
+    its file and line (JSON lines, blank lines counted as the file has them), its row (CSV: after the header, as
+    read; Parquet: from 0), its place in a JSON file's array, or its whole file (text). Files of a part read together
+    are counted record by record up to it; one that cannot be counted leaves the position among the part's files.
+
+    Example::
+
+        >>> folder = getfixture("tmp_path")
+        >>> _ = (folder / "a.jsonl").write_text('{"text": "x"}\\n\\n{"text": ""}\\n')
+        >>> _ = (folder / "b.csv").write_text("text\\nx\\n\\ny\\n")
+        >>> parts = [RecordPart([0, 1], [str(folder / "a.jsonl")], True),
+        ...          RecordPart([0, 1], [str(folder / "b.csv")], False)]
+        >>> [record_source(parts, i).replace(str(folder), "DIR") for i in (1, 3)]
+        ['DIR/a.jsonl line 3', 'DIR/b.csv row 2 after its header']
+    """
+    offset = 0
+    for part in parts:
+        size = len(part.dataset)
+        if position < offset + size:
+            return _source_in_files(part.files, position - offset)
+        offset += size
+    return f"record {position} (from 0, in the order read)"
+
+
+def _source_in_files(files: Sequence[str], index: int) -> str:
+    """Where the ``index`` th record (from 0) of ``files`` read together is."""
+    at = index
+    for name in files[:-1] if len(files) > 1 else ():
+        count = _record_count(Path(name))
+        if count is None:
+            return f"record {index} (from 0) of the files {list(files[:3])}"
+        if at < count:
+            return _source_in_file(Path(name), at)
+        at -= count
+    return _source_in_file(Path(files[-1]), at) if files else f"record {index} (from 0, in the order read)"
+
+
+def _source_in_file(path: Path, index: int) -> str:
+    """Where the ``index`` th record (from 0) of the record file ``path`` is."""
+    suffix = record_type(path) or path.suffix.lower()
+    if suffix in _JSON_LINES:
+        with _open_bytes(path) as fh:  # lines end at b"\n" alone, as the JSON lines reader cuts them
+            records = (number for number, line in enumerate(fh, start=1) if line.strip())
+            number = next((n for i, n in enumerate(records) if i == index), None)
+        return f"{path} line {number}" if number is not None else f"{path} record {index} (from 0)"
+    if suffix in (".csv", ".csv.gz"):
+        return f"{path} row {index + 1} after its header"
+    if suffix == ".txt":
+        return f"{path} (its whole text: one record)"
+    if suffix == ".parquet":
+        return f"{path} row {index} (from 0)"
+    return f"{path} record {index} (from 0, in its array)"
+
+
+def _record_count(path: Path) -> Optional[int]:
+    """How many records ``datasets`` reads from ``path`` (JSON lines: its lines that are not blank; CSV: its rows
+    after the header but blank lines; a JSON array's items; a Parquet file's rows; a text file is one); ``None``
+    when that cannot be told."""
+    suffix = record_type(path) or path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            return 1
+        if suffix == ".parquet":
+            return _parquet_rows(path)
+        if suffix in _JSON_LINES:
+            with _open_bytes(path) as fh:
+                return sum(1 for line in fh if line.strip())
+        with io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig", errors="replace", newline="") as fh:
+            if suffix in (".csv", ".csv.gz"):
+                limit = csv.field_size_limit(1 << 30)  # a cell as long as pandas takes it
+                try:
+                    return max(sum(1 for row in csv.reader(fh) if row) - 1, 0)
+                finally:
+                    csv.field_size_limit(limit)
+            items = json.load(fh)
+            return len(items) if isinstance(items, list) else None
+    except (OSError, ValueError, csv.Error):  # not what its suffix says: the position stays among the files
         return None
 
 
@@ -347,8 +489,9 @@ def _refuse_non_utf8(files: Sequence[str], cache_dir: Path) -> None:
             raise ValueError(f"{CORPUS_FLAG}: {name} cannot be decompressed ({type(error).__name__}: {error}): "
                              "give it whole, compressed with gzip, or decompressed") from None
         if where is None:
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            mark.touch()
+            with writing_cache(cache_dir, mark.parent, "marks of the record files found UTF-8"):
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.touch()
         else:
             line, offset, byte = where
             raise ValueError(f"{CORPUS_FLAG}: {name} is not UTF-8 text: line {line} (byte {offset}) holds the byte "

@@ -39,7 +39,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -49,6 +49,7 @@ from torch.utils.data import Dataset
 
 from lightning_mtp.data import completion_records as completions
 from lightning_mtp.data.atomic import atomic_write, private_folder, publish_folder
+from lightning_mtp.data.cache_dir import check_free_space, writing_cache
 from lightning_mtp.data.chat_records import (
     TOOLS_FIELD,
     TURNS_VERSION,
@@ -58,7 +59,13 @@ from lightning_mtp.data.chat_records import (
     record_tools,
 )
 from lightning_mtp.data.corpus import CORPUS_FLAG
-from lightning_mtp.data.record_files import RecordPart, datasets_library, join_record_parts, load_record_parts
+from lightning_mtp.data.record_files import (
+    RecordPart,
+    datasets_library,
+    join_record_parts,
+    load_record_parts,
+    record_source,
+)
 from lightning_mtp.data.record_rows import PackedRows, PadCollator, RecordRows, pack, warn_cut_records
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 
@@ -257,15 +264,20 @@ def cache_folder(files_state: list, tokenizer: Tokenizer, settings: RecordSettin
 def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, settings: RecordSettings,
                      folder: Path, num_proc: Optional[int] = None,
                      positions: Optional[tuple[list[int], list[int]]] = None,
-                     completion: bool = False) -> TokenizedRecords:
+                     completion: bool = False, locate: Optional[Callable[[int], str]] = None) -> TokenizedRecords:
     """Tokenize both splits into ``folder`` (or load them when a finished run left them there). ``positions``: the
-    splits' records' positions in the corpus (:func:`split_positions`), which a refused chat record is named by.
+    splits' records' positions in the corpus (:func:`split_positions`), which a refused chat record is named by;
+    ``locate``: where the record at a corpus position is (:func:`~lightning_mtp.data.record_files.record_source`),
+    which the first skipped record is named by.
 
     The splits are written into a folder private to this process beside ``folder`` and renamed into place when
     complete (:func:`~lightning_mtp.data.atomic.publish_folder`): runs sharing a cache directory (a sweep started
     from one folder) never write into the files another one reads; when another run finished first, its folder is
-    used and this one's dropped. Records with nothing to train on are counted in ``meta.json``, and warned about
-    whenever the splits are loaded (:func:`_load_tokenized`), not only by the fit that tokenizes them."""
+    used and this one's dropped. Records with nothing to train on are counted in ``meta.json`` with where the first
+    is, and warned about whenever the splits are loaded (:func:`_load_tokenized`), not only by the fit that tokenizes
+    them. A write that fails (the disk full, here or in ``datasets``' tables under ``<cache_dir>/datasets``) is
+    refused in one line naming ``--data.cache_dir`` (:func:`~lightning_mtp.data.cache_dir.writing_cache`), the
+    private folder removed."""
     if _tokenized(folder):
         return _load_tokenized(folder, chat, completion)
     train_on = settings.train_on or ("assistant" if chat or completion else "all")
@@ -283,32 +295,47 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
     # datasets caps a fingerprint at 64 characters, shard suffixes (_00000_of_00004) included: the folder's name
     # (the tokenizer's, e.g. a model folder's name, and the key) is hashed to fit whatever the model is called
     stem = hashlib.sha1(folder.name.encode("utf-8")).hexdigest()[:16]
-    remove_stale_private(folder.parent)
-    tmp = private_folder(folder)
-    try:
-        kept, skipped = {}, {}
-        for name, part in (("train", train), ("val", val)):
-            mapped = part.map(encoders[name], batched=True, with_indices=True, remove_columns=part.column_names,
-                              desc=f"tokenizing {name}",
-                              num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
-                              new_fingerprint=f"{stem}-{name}")
-            mapped = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"],
-                                   batched=True, new_fingerprint=f"{stem}-{name}-nonempty")
-            skipped[name] = [len(part) - len(mapped), len(part)]
-            kept[name] = len(mapped)
-            mapped.save_to_disk(str(tmp / name))
-        for name, part, what, advice in (("train", train, "training", ""),
-                                         ("val", val, "validation", ": raise --data.val_fraction")):
-            if kept[name] == 0:  # a fit without validation would say so only in Lightning's warnings
-                raise ValueError(f"{CORPUS_FLAG}: no {what} record has a token to train on (its {len(part)} "
-                                 f"record(s) are empty texts, or chats without an assistant turn){advice}")
-        meta = {"chat": chat, "train_on": train_on, "skipped": skipped}
-        atomic_write(tmp / "meta.json", lambda fh: fh.write(json.dumps(meta).encode("utf-8")))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_folder(tmp, folder, _tokenized)
+    with writing_cache(folder.parent.parent, folder, "tokenized records"):
+        remove_stale_private(folder.parent)
+        tmp = private_folder(folder)
+        try:
+            kept, skipped = {}, {}
+            for split, (name, part) in enumerate((("train", train), ("val", val))):
+                mapped = part.map(encoders[name], batched=True, with_indices=True, remove_columns=part.column_names,
+                                  desc=f"tokenizing {name}",
+                                  num_proc=procs if procs > 1 and len(part) >= 256 * procs else None,
+                                  new_fingerprint=f"{stem}-{name}")
+                nonempty = mapped.filter(lambda lengths: [n > 0 for n in lengths], input_columns=["length"],
+                                         batched=True, new_fingerprint=f"{stem}-{name}-nonempty")
+                skipped[name] = [len(part) - len(nonempty), len(part)]
+                if len(nonempty) < len(part):
+                    skipped[name].append(_first_skipped(mapped, name, None if positions is None else positions[split],
+                                                        locate))
+                kept[name] = len(nonempty)
+                nonempty.save_to_disk(str(tmp / name))
+            for name, part, what, advice in (("train", train, "training", ""),
+                                             ("val", val, "validation", ": raise --data.val_fraction")):
+                if kept[name] == 0:  # a fit without validation would say so only in Lightning's warnings
+                    raise ValueError(f"{CORPUS_FLAG}: no {what} record has a token to train on (its {len(part)} "
+                                     f"record(s) are empty texts, or chats without an assistant turn){advice}")
+            meta = {"chat": chat, "train_on": train_on, "skipped": skipped}
+            atomic_write(tmp / "meta.json", lambda fh: fh.write(json.dumps(meta).encode("utf-8")))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_folder(tmp, folder, _tokenized)
     return _load_tokenized(folder, chat, completion)
+
+
+def _first_skipped(mapped: Any, name: str, positions: Optional[list[int]],
+                   locate: Optional[Callable[[int], str]]) -> str:
+    """Where the first record of the split ``name`` tokenized into ``mapped`` with no token to train on is: its file
+    and line (``locate`` of its corpus position, ``positions[index in the split]``) where they are known."""
+    first = int(np.flatnonzero(np.asarray(mapped["length"]) == 0)[0])  # its place in the split
+    if positions is None:
+        return f"{name} record {first} (from 0)"
+    at = positions[first]  # its place in the corpus
+    return locate(at) if locate is not None else f"record {at} (from 0, in the order read)"
 
 
 def _tokenized(folder: Path) -> bool:
@@ -323,14 +350,16 @@ def _load_tokenized(folder: Path, chat: bool, completion: bool = False) -> Token
                             datasets.load_from_disk(str(folder / "val")), chat, folder, completion)
 
 
-def _warn_skipped(skipped: dict[str, list[int]]) -> None:
-    """Warn (rank zero) about each split's records that have no token to train on (``{split: [skipped, total]}``)."""
+def _warn_skipped(skipped: dict[str, list]) -> None:
+    """Warn (rank zero) about each split's records that have no token to train on (``{split: [skipped, total,
+    where the first is]}``; a cache written before the place was kept has the counts alone)."""
     from lightning.pytorch.utilities import rank_zero_warn
 
-    for name, (count, total) in skipped.items():
+    for name, (count, total, *first) in skipped.items():
         if count:
+            where = f"; the first is {first[0]}" if first else ""
             rank_zero_warn(f"{CORPUS_FLAG}: {count} of {total} {name} records have no token to train on and are "
-                           "skipped (empty texts or completions, or chats without an assistant turn)")
+                           f"skipped (empty texts or completions, or chats without an assistant turn){where}")
 
 
 _PRIVATE = re.compile(r"^\..+\.(\d+)-[^.]+\.(tmp|stale)$")
@@ -411,6 +440,7 @@ class RecordCorpus:
         self.files, self.settings, self.cache_dir = list(files), settings, Path(cache_dir)
         self._splits: Optional[tuple[Any, Any]] = None
         self._read_state: list = []  # the files' fingerprint when splits() read them (the cache key)
+        self._parts: list[RecordPart] = []  # the files' records as splits() read them (record_source)
         self.positions: Optional[tuple[list[int], list[int]]] = None  # the (train, val) records' corpus positions
         self.chat: Optional[bool] = None
         self.completion = False  # plain prompt-completion records (conversational ones are read as chat records)
@@ -420,22 +450,28 @@ class RecordCorpus:
         self.packed: Optional[bool] = None
 
     def splits(self) -> tuple[Any, Any]:
-        """The raw (train, val) records, read once."""
+        """The raw (train, val) records, read once (``datasets`` writes tables under ``<cache_dir>/datasets`` to join
+        and split them: a write that fails is refused naming ``--data.cache_dir``)."""
         if self._splits is None:
-            self._read_state = files_fingerprint(self.files)  # before reading: a file still being written gets the
-            # cache key of what was read, not of the finished file (cache_folder)
-            parts = load_record_parts(self.files, self.cache_dir)
-            records = join_record_parts(parts)
-            settings = self.settings
-            self.chat = record_kind(records, settings, parts)
-            refuse_tools_without_chat(records, self.chat)
-            if completions.is_prompt_completion(records.column_names, settings.text_field, settings.messages_field):
-                self.completion = not self.chat
-                if self.chat:
-                    records = completions.as_chat_records(records, settings.messages_field)
-            self.positions = split_positions(len(records), self.settings.val_fraction, self.settings.seed)
-            self._splits = records.select(self.positions[0]), records.select(self.positions[1])
+            with writing_cache(self.cache_dir, self.cache_dir / "datasets", "Arrow tables of the records"):
+                self._splits = self._read_splits()
         return self._splits
+
+    def _read_splits(self) -> tuple[Any, Any]:
+        """The raw (train, val) records, read from the files."""
+        self._read_state = files_fingerprint(self.files)  # before reading: a file still being written gets the
+        # cache key of what was read, not of the finished file (cache_folder)
+        parts = self._parts = load_record_parts(self.files, self.cache_dir)
+        records = join_record_parts(parts)
+        settings = self.settings
+        self.chat = record_kind(records, settings, parts)
+        refuse_tools_without_chat(records, self.chat)
+        if completions.is_prompt_completion(records.column_names, settings.text_field, settings.messages_field):
+            self.completion = not self.chat
+            if self.chat:
+                records = completions.as_chat_records(records, settings.messages_field)
+        self.positions = split_positions(len(records), self.settings.val_fraction, self.settings.seed)
+        return records.select(self.positions[0]), records.select(self.positions[1])
 
     def training_texts_key(self) -> str:
         """What :meth:`training_texts` depends on beyond the files: the split and the fields read."""
@@ -463,22 +499,35 @@ class RecordCorpus:
             return
         train, val = self.splits()
         folder = cache_folder(self._read_state, tokenizer, self.settings, self.cache_dir)
+        parts = self._parts
         self.tokenized = tokenize_records(train, val, bool(self.chat), tokenizer, self.settings, folder, num_proc,
-                                          self.positions, self.completion)
+                                          self.positions, self.completion,
+                                          lambda position: record_source(parts, position))
         remove_stale_private(folder)  # the packed rows' private folders of a killed build
         # padded by default for chats and prompt-completion records: packed, a record cut at a row's end would train
         # its answer's tail in the next row without its prompt
         self.packed = self.settings.packing if self.settings.packing is not None else not (self.chat or self.completion)
         seq_len = self.settings.seq_len
         if self.packed:
-            self.train_rows = PackedRows(pack(self.tokenized.train, seq_len, folder / "packed-train"), seq_len)
+            self.train_rows = self._packed_rows(self.tokenized.train, folder / "packed-train")
             val_tokens = int(sum(self.tokenized.val["length"]))
-            self.val_rows = (PackedRows(pack(self.tokenized.val, seq_len, folder / "packed-val"), seq_len)
+            self.val_rows = (self._packed_rows(self.tokenized.val, folder / "packed-val")
                              if val_tokens >= seq_len else RecordRows(self.tokenized.val, seq_len))
         else:
             self.train_rows = RecordRows(self.tokenized.train, seq_len)
             self.val_rows = RecordRows(self.tokenized.val, seq_len)
             warn_cut_records(self.tokenized.train, seq_len)
+
+    def _packed_rows(self, records: Any, target: Path) -> PackedRows:
+        """The records packed into ``target`` (:func:`pack`), written after their room on the disk is checked: the
+        arrays are filled through a memory map, and a disk found full while its pages are written kills the process
+        (``SIGBUS``) instead of raising an error."""
+        seq_len = self.settings.seq_len
+        with writing_cache(self.cache_dir, target, "packed rows"):
+            if not (target / "packed.json").is_file():  # (pack's own mark of a finished folder)
+                needed = 3 * np.dtype(np.int64).itemsize * int(sum(records["length"]))  # ids, labels, positions
+                check_free_space(self.cache_dir, target, "packed rows", needed)
+            return PackedRows(pack(records, seq_len, target), seq_len)
 
     def collate(self, rows: Dataset, pad_id: int) -> Optional[PadCollator]:
         """The collator ``rows`` need: none for packed rows (all ``seq_len`` long), else right padding."""
