@@ -421,6 +421,7 @@ def main(args: Optional[list[str]] = None) -> None:
             auto_configure_optimizers=False,
             parser_class=ShortErrorParser,
         )
+        tear_down_process_group()
     except TrainingDiverged as error:
         if os.environ.get("LIGHTNING_MTP_TRACEBACK"):
             raise
@@ -437,6 +438,18 @@ def main(args: Optional[list[str]] = None) -> None:
         fail(message)
     finally:
         folder_lock.release_all()  # the fit's checkpoint folders, also when it was refused before it started
+
+
+def tear_down_process_group() -> None:
+    """After a command that ran on several processes: wait for every process, then destroy the process group. Left to
+    the interpreter's exit, a gloo thread still joinable aborted a finished run ("terminate called without an active
+    exception", exit status 134 / -6) after every output was written, which a scheduler reads as a failed job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # (one process: nothing to wait
+        # for, and a one-process group may be DeepSpeed's, which later runs in the same process reuse)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -107,3 +107,28 @@ def test_predict_on_two_processes_writes_every_prompt_once_as_one_process_does(t
                   "--model.init_args.generation.seed", "0")
     assert sorted(sampled) == [0, 1, 2, 3]
     assert sampled[0] != sampled[1] and sampled[2] != sampled[3]  # rank 0 has rows 0 and 2, rank 1 rows 1 and 3
+
+
+def _tear_down_on_rank(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_mtp.cli import tear_down_process_group
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    tear_down_process_group()
+    Path(folder, f"rank{rank}").write_text(json.dumps(dist.is_initialized()))
+
+
+def test_a_command_on_several_processes_tears_its_process_group_down(tmp_path):
+    """``lightning-mtp`` destroys the process group of a run on several processes before the interpreter exits (left
+    to the exit, a joinable gloo thread once aborted a finished 2-process predict: "terminate called without an active
+    exception", exit status -6): every process waits for the others, then none holds a group."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_tear_down_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert [json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1)] == [False, False]
