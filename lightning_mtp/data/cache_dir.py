@@ -64,9 +64,7 @@ def write_probe(folder: Path) -> None:
 def unwritable_reason(folder: Path, error: OSError) -> str:
     """Why ``folder`` cannot be written, in a few words: it (or a folder above it) is a file, or the system's reason
     (read-only file system, permission denied)."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(folder)
     if existing.exists() and not existing.is_dir():
         return f"{str(existing)!r} is a file, not a folder" if existing != folder else "it is a file, not a folder"
     return error.strerror or type(error).__name__
@@ -140,13 +138,17 @@ def check_free_space(cache_dir: Path, folder: Path, what: str, needed: int) -> N
     """Refuse (as :func:`cache_write_error` words it) to write ``needed`` bytes into ``folder`` when its disk has less
     room: files filled through a memory map (numpy's ``open_memmap``) are sparse, so a full disk is met while the
     pages are written, and the process dies of ``SIGBUS`` instead of an error."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(_nearest_existing(folder)).free
     if free < needed:
         error = cache_write_error(cache_dir, folder, what, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         raise ValueError(f"{error} (it needs {_megabytes(needed)}, {_megabytes(free)} are free)")
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """``folder``, or the nearest folder above it that exists (the file system root at most)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def _megabytes(count: int) -> str:

@@ -62,8 +62,8 @@ _BUILDER_OPTIONS: dict[str, dict[str, Any]] = {
     ".csv.gz": _CSV_OPTIONS,
 }
 """What each builder is given beyond the files."""
-_JSON_LINES = (".jsonl", ".ndjson", ".jsonl.gz")
-_JSON_TYPES = (".json", ".json.gz", *_JSON_LINES)
+JSON_LINES = (".jsonl", ".ndjson", ".jsonl.gz")
+_JSON_TYPES = (".json", ".json.gz", *JSON_LINES)
 
 
 def record_type(path: Path) -> Optional[str]:
@@ -82,7 +82,7 @@ def record_type(path: Path) -> Optional[str]:
     return suffix if suffix in RECORD_SUFFIXES else None
 
 
-def _open_bytes(path: Path) -> BinaryIO:
+def open_record_bytes(path: Path) -> BinaryIO:
     """``path`` opened for reading its bytes: decompressed for a gzip'd record file."""
     return gzip.open(path, "rb") if Path(path).suffix.lower() == ".gz" else open(path, "rb")  # noqa: SIM115
 
@@ -310,11 +310,11 @@ def _holds_no_records(path: Path) -> bool:
         return True
     suffix = record_type(path) or path.suffix.lower()
     if suffix == ".parquet":
-        return _parquet_rows(path) == 0
+        return parquet_rows(path) == 0
     if suffix in (".csv", ".csv.gz"):
         return _csv_header_alone(path)
     if suffix in (".json", ".json.gz"):
-        with _open_bytes(path) as fh:
+        with open_record_bytes(path) as fh:
             start = fh.read(1 << 12).removeprefix(codecs.BOM_UTF8).lstrip()
         return start.startswith(b"[") and start[1:].lstrip().startswith(b"]")
     return False
@@ -324,7 +324,7 @@ def _csv_header_alone(path: Path) -> bool:
     """Whether a CSV file holds its header row and nothing after it but blank lines (which pandas skips). The rows
     after the header are not parsed (a cell may be longer than the ``csv`` module takes): a line that is not blank
     is a record."""
-    with io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig", errors="replace", newline="") as fh:
+    with io.TextIOWrapper(open_record_bytes(path), encoding="utf-8-sig", errors="replace", newline="") as fh:
         try:
             header = next(csv.reader(fh), None)
         except csv.Error:  # a header the csv module cannot take: reading it with datasets names the reason
@@ -332,94 +332,13 @@ def _csv_header_alone(path: Path) -> bool:
         return header is not None and not any(line.strip() for line in fh)
 
 
-def _parquet_rows(path: Path) -> Optional[int]:
+def parquet_rows(path: Path) -> Optional[int]:
     """The number of rows a Parquet file's footer gives; ``None`` when it cannot be read as Parquet."""
     import pyarrow.parquet as pq
 
     try:
         return pq.read_metadata(path).num_rows
     except Exception:  # noqa: BLE001 - not Parquet: reading it with datasets names the reason
-        return None
-
-
-def record_source(parts: Sequence[RecordPart], position: int) -> str:
-    """Where the record at ``position`` (from 0, in the order read) of the joined ``parts`` is, for a user to open:
-    its file and line (JSON lines, blank lines counted as the file has them), its row (CSV: after the header, as
-    read; Parquet: from 0), its place in a JSON file's array, or its whole file (text). Files of a part read together
-    are counted record by record up to it; one that cannot be counted leaves the position among the part's files.
-
-    Example::
-
-        >>> folder = getfixture("tmp_path")
-        >>> _ = (folder / "a.jsonl").write_text('{"text": "x"}\\n\\n{"text": ""}\\n')
-        >>> _ = (folder / "b.csv").write_text("text\\nx\\n\\ny\\n")
-        >>> parts = [RecordPart([0, 1], [str(folder / "a.jsonl")], True),
-        ...          RecordPart([0, 1], [str(folder / "b.csv")], False)]
-        >>> [record_source(parts, i).replace(str(folder), "DIR") for i in (1, 3)]
-        ['DIR/a.jsonl line 3', 'DIR/b.csv row 2 after its header']
-    """
-    offset = 0
-    for part in parts:
-        size = len(part.dataset)
-        if position < offset + size:
-            return _source_in_files(part.files, position - offset)
-        offset += size
-    return f"record {position} (from 0, in the order read)"
-
-
-def _source_in_files(files: Sequence[str], index: int) -> str:
-    """Where the ``index`` th record (from 0) of ``files`` read together is."""
-    at = index
-    for name in files[:-1] if len(files) > 1 else ():
-        count = _record_count(Path(name))
-        if count is None:
-            return f"record {index} (from 0) of the files {list(files[:3])}"
-        if at < count:
-            return _source_in_file(Path(name), at)
-        at -= count
-    return _source_in_file(Path(files[-1]), at) if files else f"record {index} (from 0, in the order read)"
-
-
-def _source_in_file(path: Path, index: int) -> str:
-    """Where the ``index`` th record (from 0) of the record file ``path`` is."""
-    suffix = record_type(path) or path.suffix.lower()
-    if suffix in _JSON_LINES:
-        with _open_bytes(path) as fh:  # lines end at b"\n" alone, as the JSON lines reader cuts them
-            records = (number for number, line in enumerate(fh, start=1) if line.strip())
-            number = next((n for i, n in enumerate(records) if i == index), None)
-        return f"{path} line {number}" if number is not None else f"{path} record {index} (from 0)"
-    if suffix in (".csv", ".csv.gz"):
-        return f"{path} row {index + 1} after its header"
-    if suffix == ".txt":
-        return f"{path} (its whole text: one record)"
-    if suffix == ".parquet":
-        return f"{path} row {index} (from 0)"
-    return f"{path} record {index} (from 0, in its array)"
-
-
-def _record_count(path: Path) -> Optional[int]:
-    """How many records ``datasets`` reads from ``path`` (JSON lines: its lines that are not blank; CSV: its rows
-    after the header but blank lines; a JSON array's items; a Parquet file's rows; a text file is one); ``None``
-    when that cannot be told."""
-    suffix = record_type(path) or path.suffix.lower()
-    try:
-        if suffix == ".txt":
-            return 1
-        if suffix == ".parquet":
-            return _parquet_rows(path)
-        if suffix in _JSON_LINES:
-            with _open_bytes(path) as fh:
-                return sum(1 for line in fh if line.strip())
-        with io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig", errors="replace", newline="") as fh:
-            if suffix in (".csv", ".csv.gz"):
-                limit = csv.field_size_limit(1 << 30)  # a cell as long as pandas takes it
-                try:
-                    return max(sum(1 for row in csv.reader(fh) if row) - 1, 0)
-                finally:
-                    csv.field_size_limit(limit)
-            items = json.load(fh)
-            return len(items) if isinstance(items, list) else None
-    except (OSError, ValueError, csv.Error):  # not what its suffix says: the position stays among the files
         return None
 
 
@@ -504,7 +423,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
     is all UTF-8 (decoded in large blocks; read line by line only when a block fails)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with _open_bytes(path) as fh:
+        with open_record_bytes(path) as fh:
             while block := fh.read(1 << 24):
                 decoder.decode(block)
         decoder.decode(b"", final=True)
@@ -512,7 +431,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
     except UnicodeDecodeError:
         pass
     offset = 0
-    with _open_bytes(path) as fh:
+    with open_record_bytes(path) as fh:
         for number, line in enumerate(fh, start=1):
             try:
                 line.decode("utf-8")
@@ -524,7 +443,7 @@ def _first_non_utf8(path: Path) -> Optional[tuple[int, int, int]]:
 
 def _is_blank(path: Path) -> bool:
     """Whether ``path`` holds nothing but whitespace (read until its first other byte)."""
-    with _open_bytes(path) as fh:
+    with open_record_bytes(path) as fh:
         while chunk := fh.read(1 << 16):
             if chunk.strip():
                 return False
@@ -541,9 +460,9 @@ def _unreadable(files: Sequence[str], error: BaseException) -> str:
         if bad is not None:
             return (f"{name} is not UTF-8 text: line {bad[0]} (byte {bad[1]}) holds the byte 0x{bad[2]:02x}; convert "
                     "the file to UTF-8")
-        if record_type(Path(name)) not in _JSON_LINES:
+        if record_type(Path(name)) not in JSON_LINES:
             continue
-        with io.TextIOWrapper(_open_bytes(Path(name)), encoding="utf-8", errors="replace") as fh:
+        with io.TextIOWrapper(open_record_bytes(Path(name)), encoding="utf-8", errors="replace") as fh:
             for number, line in enumerate(fh, start=1):
                 try:
                     if line.strip() and not isinstance(json.loads(line), dict):

@@ -59,14 +59,9 @@ from lightning_mtp.data.chat_records import (
     record_tools,
 )
 from lightning_mtp.data.corpus import CORPUS_FLAG
-from lightning_mtp.data.record_files import (
-    RecordPart,
-    datasets_library,
-    join_record_parts,
-    load_record_parts,
-    record_source,
-)
+from lightning_mtp.data.record_files import RecordPart, datasets_library, join_record_parts, load_record_parts
 from lightning_mtp.data.record_rows import PackedRows, PadCollator, RecordRows, pack, warn_cut_records
+from lightning_mtp.data.record_sources import record_source
 from lightning_mtp.data.tokenizers import Tokenizer, files_fingerprint
 
 TRAIN_ON = ("all", "assistant")
@@ -267,7 +262,7 @@ def tokenize_records(train: Any, val: Any, chat: bool, tokenizer: Tokenizer, set
                      completion: bool = False, locate: Optional[Callable[[int], str]] = None) -> TokenizedRecords:
     """Tokenize both splits into ``folder`` (or load them when a finished run left them there). ``positions``: the
     splits' records' positions in the corpus (:func:`split_positions`), which a refused chat record is named by;
-    ``locate``: where the record at a corpus position is (:func:`~lightning_mtp.data.record_files.record_source`),
+    ``locate``: where the record at a corpus position is (:func:`~lightning_mtp.data.record_sources.record_source`),
     which the first skipped record is named by.
 
     The splits are written into a folder private to this process beside ``folder`` and renamed into place when
