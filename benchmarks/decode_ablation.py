@@ -1,18 +1,23 @@
 """Which of ``speculative="auto"``'s mechanisms pay: each turned off in turn, timed against the whole policy.
 
-The policy (:mod:`lightning_mtp.decoding.auto`) has six mechanisms, each a field of
+The policy (:mod:`lightning_mtp.decoding.auto`) has seven mechanisms, each a field of
 :data:`lightning_mtp.decoding.auto.SWITCHES`:
 
 - ``fit``: the step-cost model fitted online to timed steps (off: the prior from the weights' bytes alone);
 - ``speed``: each timed step learned over the machine's current speed (the median of measured over predicted time of
   the last steps), so options measured while the machine was slower are not priced dear after (off: as measured);
-- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower, and calls
-  retired to the plain loop after calls whose drafting measured slower (or that ended plain by rating);
+- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower;
 - ``memory``: costs and acceptance kept across calls (off: every call starts from the prior);
-- ``explore``: while stepping plainly, each chain measured in turn, and the deepest chain's two steps whenever
-  drafting resumes (off: the measurements draft the best-rated chain, so deeper depths are seen only when chosen);
+- ``explore``: once every option is measured, the options not chosen measured in turn within ``EXPLORE_SHARE`` of
+  the decoded time (off: each only until it is measured);
 - ``rows``: a batch rated by each row's own acceptance and by the row with the most steps left (off: by the
-  acceptance pooled over its rows, as tokens per second).
+  acceptance pooled over its rows, as tokens per second);
+- ``last_row``: a batch's drafts scaled by what its last row realized over what it was rated at in earlier drafting
+  steps (off: as rated).
+
+This is the timed ablation: on a shared 2-core CPU its rows move 10-20% between runs, more than most mechanisms are
+worth, so the ablation of record is ``benchmarks/decode_replay.py`` (the same rows without timing noise); run this one
+on a quiet machine or a GPU.
 
 On one checkpoint and the same held-out prompts, greedy at batch 1 and 8: plain decoding, every fixed chain of
 1..D drafts, the whole policy and the policy without each mechanism, each row run once untimed (its warm-up call),
@@ -47,7 +52,7 @@ from report import provenance  # noqa: E402
 
 from lightning_mtp.decoding.auto import SWITCHES  # noqa: E402
 
-MECHANISMS = ("fit", "speed", "guard", "memory", "explore", "rows")
+MECHANISMS = ("fit", "speed", "guard", "memory", "explore", "rows", "last_row")
 
 
 def variants(depth: int) -> list[tuple[str, dict, dict]]:

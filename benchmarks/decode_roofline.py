@@ -160,7 +160,7 @@ def policy_choice(model: Model, costs: Costs, rows: int, context: int, acceptanc
     for depth in range(1, model.depth + 1):
         alpha = acceptance[min(depth - 1, len(acceptance) - 1)]
         policy.memory.acceptance[(depth, "chain")] = [100 * alpha, 100.0]
-    best = max(options, key=policy._rate)
+    best = max(options, key=policy.rate)
     return "plain" if best is None else best.describe()
 
 

@@ -92,10 +92,14 @@ def test_the_cost_model_learns_the_machines_step_costs():
 
 
 def test_drafts_measured_while_the_machine_was_slow_are_not_priced_dear_after(switches):
-    """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. Its plain rate
-    was measured before, and plain steps, taken rarely while drafting pays, stay that fast: learned as measured, the
-    drafts are priced half as dear again as they are and the call steps plainly for most of the 300 steps after (a
-    draft is measured once in 32 of them). Learned over the machine's speed at the time, it goes on drafting."""
+    """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. The guard is
+    off here (it would hold the call plain in the slow spell, and plain steps timed then are as slow as the drafts).
+    Learned as measured, the chain's window fills with slow steps while the few plain steps measured before stay
+    fast: the drafts are priced half as dear again as they are and the call steps plainly for most of the 300 steps
+    after (296: 0.99 tokens/s). Learned over the machine's speed at the time, it goes on drafting (1.22 tokens/s, as
+    fast as a call without the spell)."""
+    switches.guard = False
+
     def after_a_slow_spell() -> tuple[Counter, float]:
         machine, policy = Machine(per_draft=0.3, accept=0.6, seed=3), policy_for()
         run(policy, machine, 300)
@@ -167,8 +171,8 @@ def test_the_choice_follows_the_machines_costs_not_the_prior():
     and the policy steps plainly (a chain of 1 would give 1.8 tokens for 2.5 seconds)."""
     choices, rate = run(policy_for(share=0.05), Machine(per_draft=1.5, accept=0.8), 300)
     assert choices["plain"] > 0.8 * 300, choices
-    # plain: 0.99; what it pays for is finding out: the first drafts, and measuring each chain in turn every
-    # MEASURE_EVERY plain steps (here a chain of 3 costs 5.5 plain steps)
+    # plain: 0.99; what it pays for is finding out: the first drafts, and measuring each chain in turn within
+    # EXPLORE_SHARE of the time decoded (here a chain of 3 costs 5.5 plain steps)
     assert rate > 0.85
 
 
@@ -233,17 +237,19 @@ def decode_batch(policy: Optional[AutoPolicy], machine: Machine, accept: list[fl
 def test_a_batch_is_rated_by_the_row_that_ends_last(switches):
     """Seven rows whose drafts are accepted and one whose drafts never are: the call ends when that row has emitted
     its budget one token per step, whatever the others do, so drafting only makes its steps dearer. Rated by each
-    row's own acceptance and the row with the most steps left, ``auto`` steps plainly; rated by the pooled acceptance
-    (87%: 7 of 8 rows) it kept drafting."""
-    accept, budget = [0.95] * 7 + [0.0], 96
+    row's own acceptance and the row with the most steps left, ``auto`` steps mostly plainly (1.14x plain's time: the
+    first steps, before the row's rejections outweigh the shared estimate, and the measuring); rated by the pooled
+    acceptance (87%: 7 of 8 rows) it keeps drafting (1.34x). The last-row correction, which would help both, is off."""
+    switches.last_row = False
+    accept, budget = [0.95] * 7 + [0.0], 192
     machine = Machine(per_draft=0.3, seed=1)
     plain = decode_batch(None, machine, accept, budget)
     chain = decode_batch(FixedChain(3), machine, accept, budget)
     rated_by_rows = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
     switches.rows = False  # rated by the acceptance pooled over the rows
     pooled = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
-    assert chain > 1.5 * plain  # a fixed chain of 3: 95 steps of 1.9 seconds against 95 of 1 (and a token-row each)
-    assert rated_by_rows < 1.15 * plain < pooled, (rated_by_rows, plain, pooled)
+    assert chain > 1.5 * plain  # a fixed chain of 3: 191 steps of 1.9 seconds against 191 of 1 (and a token-row each)
+    assert rated_by_rows < 1.2 * plain and 1.3 * plain < pooled, (rated_by_rows, plain, pooled)
 
 
 def test_a_rows_counts_fade_while_it_steps_plainly():
@@ -258,7 +264,8 @@ def test_a_rows_counts_fade_while_it_steps_plainly():
     for _ in range(64):
         policy.observe(None, 2, [], 0.01, rows=[0, 0], remaining=[50, 50])
     faded = policy.expected_tokens(chain, 1) - 1
-    assert low < 0.15 and shared > 0.45  # 20 rejections against the pooled half
+    # 20 rejections (16.6 tries once faded) against the pooled half worth ROW_TRIES = 12: 0.21
+    assert low < 0.5 * shared and shared > 0.45
     assert faded - low > 0.3 * (shared - low)  # 64 plain steps keep 0.98^64 = 27% of the row's counts
 
 
@@ -266,9 +273,12 @@ def test_the_guard_measures_a_batch_by_the_progress_of_its_last_row(switches):
     """Rated by the pooled acceptance, a batch whose one row never accepts drafts keeps drafting, and the tokens the
     other rows' drafts emit (3.4 per row and step, pooled) make drafting measure faster than plain. The call ends
     when that row has emitted its budget one token per step, so the guard measures a step by how far it brought the
-    row with the most tokens left: drafting measures slower, and it holds the call plain."""
+    row with the most tokens left: drafting measures slower, and it holds the call plain (4 holds: 1.34x plain's time
+    against 1.69x unguarded; each hold ends with GUARD_WINDOW drafting steps to measure again). The last-row
+    correction, which would rate the drafts down itself, is off."""
     accept, budget = [0.95] * 7 + [0.0], 192
     switches.rows = False  # rated by the acceptance pooled over the rows
+    switches.last_row = False
     machine = Machine(per_draft=0.3, seed=4)
     plain = decode_batch(None, machine, accept, budget)
     policy = policy_for(share=0.3, rows=8)
@@ -276,8 +286,7 @@ def test_the_guard_measures_a_batch_by_the_progress_of_its_last_row(switches):
     switches.guard = False
     unguarded = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
     assert unguarded > 1.5 * plain  # drafting all along: 191 steps of 2.2 seconds against 1.1
-    # (the pooled measure held too, twice, but drafted 1.42 times as long as plain)
-    assert policy.holds >= 1 and guarded < 1.3 * plain, (policy.holds, guarded, plain)
+    assert policy.holds >= 3 and guarded < 1.4 * plain and guarded < 0.85 * unguarded, (policy.holds, guarded, plain)
 
 
 def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():
@@ -290,6 +299,9 @@ def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():
 
 # ----------------------------------------------------------------------------------------------- a real model
 def test_a_call_starting_plainly_never_touches_the_drafter(models, monkeypatch):
+    """A call rated plain at its start with nothing to measure (every option timed, the measuring share spent) is
+    retired: it decodes what plain decoding does, at least one trunk forward per token, and never allocates a
+    drafter (the call before it, with nothing measured, drafted)."""
     from lightning_mtp.decoding.drafting import MTPDrafter
     from lightning_mtp.decoding.tree_drafting import MTPTreeDrafter
 
@@ -302,8 +314,13 @@ def test_a_call_starting_plainly_never_touches_the_drafter(models, monkeypatch):
                             allocations.append(type(self).__name__) or _allocate(self, *a))
     model.generate(input_ids, 24, attention_mask=mask, speculative="auto")  # sets up the memory
     assert allocations  # the call drafted: the counting reaches the drafter auto uses
-    for memory in model.__dict__["_mtp_auto_memory"].values():  # as if the last call ended plainly, and drafting
-        memory.ended_plain, memory.retire_left, memory.cost = "rated", 1, StepCost(draft_share=5.0)  # does not pay
+    for key, memory in model.__dict__["_mtp_auto_memory"].items():  # as if every option were measured, drafting did
+        memory.cost, depths = StepCost(draft_share=5.0), [int(o[5:]) for o in key[-1] if o]  # not pay, and the
+        for _ in range(3):  # share of measuring were spent: the call is rated plain with nothing to measure
+            memory.cost.observe(key[1], 1, 0, 0.01)
+            for depth in depths:
+                memory.cost.observe(key[1], depth + 1, depth, 0.05 * depth)
+        memory.measuring = memory.decoded
     allocations.clear()
     out = model.generate(input_ids, 24, attention_mask=mask, speculative="auto")
     assert rows_of(out) == expected and allocations == [] and out.stats.main_forwards >= 24

@@ -191,7 +191,7 @@ def test_the_ablation_keeps_a_mechanism_only_where_removing_it_costs_two_percent
     names = [name for name, _, _ in ablation.variants(3)]
     assert names == ["plain", "chain k=1", "chain k=2", "chain k=3", "auto", "auto without fit",
                      "auto without speed", "auto without guard", "auto without memory", "auto without explore",
-                     "auto without rows"]
+                     "auto without rows", "auto without last_row"]
 
 
 def test_the_replay_costs_every_step_at_its_measured_price_and_restores_the_policy(tiny_checkpoint, tmp_path):
@@ -221,5 +221,5 @@ def test_the_replay_costs_every_step_at_its_measured_price_and_restores_the_poli
         assert row["seconds"] == pytest.approx(row["steps"][str(k)] * costs[str(k)] * plain_seconds)
         assert row["vs_plain"] == pytest.approx(rows["plain"]["seconds"] / row["seconds"])
     assert {"auto", "auto without explore", "auto without guard"} <= set(rows) and "auto without speed" not in rows
-    assert sum(rows["auto"]["steps"].values()) > 0 and set(result["verdicts"]) == {"fit", "guard", "memory",
-                                                                                   "explore", "rows"}
+    assert sum(rows["auto"]["steps"].values()) > 0 and set(result["verdicts"]) == {
+        "fit", "guard", "memory", "explore", "rows", "last_row"}

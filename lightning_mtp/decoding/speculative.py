@@ -154,10 +154,8 @@ def decode(host: DecodingHost, drafter: Optional[Drafter], prompts: Tensor, leng
         if policy is None:
             policy = DraftLength(max_drafts, config.adaptive_draft_tokens, config.adaptive_min_reach)
         extra_slots = getattr(policy, "max_nodes", 0)
-        if getattr(policy, "retired", False):
-            # `auto`, after calls that found drafting does not pay: plain from the first step, and the drafter's
-            # caches are neither allocated nor fed
-            drafter = None
+        if getattr(policy, "retired", False):  # `auto`: a call rated plain with nothing to measure (see .auto)
+            drafter = None  # plain from the first step: the drafter's caches are neither allocated nor fed
     draft_params = SamplingParams() if config.acceptance == "typical" else params  # Medusa drafts top-1 candidates
     batch = prompts.shape[0]
     eos = config.eos_token_id
@@ -216,8 +214,6 @@ def decode(host: DecodingHost, drafter: Optional[Drafter], prompts: Tensor, leng
             reached, accepted, remaining = reached[: -2 * batch], reached[-2 * batch : -batch], reached[-batch:]
             done_rows, rows = [a < 0 for a in accepted], {"rows": accepted, "remaining": remaining}
         policy.observe_step(option, reached, int(active_rows), _step_seconds(step_start, shapes_measured), **rows)
-    if hasattr(policy, "end_call"):
-        policy.end_call()
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,11 +17,12 @@ steps of measured over own kind's median seconds; steps are learned as ``seconds
 
 All are medians of the steps the decode runs (a step's time on a busy machine has outliers a mean would follow):
 ``plain`` over the last :data:`WINDOW` plain steps; each draft depth ``m`` with :data:`MIN_SAMPLES` steps gives a point,
-the median of ``seconds - plain - per_node · extra node-rows``, and a line through the points gives ``overhead`` (at 0)
-and ``per_depth`` (its slope); through the origin where one depth is measured. **Prior**, until timed, in plain steps:
-a drafting call costs the bytes of an MTP module and the output head over those of the trunk and the head
-(:func:`draft_cost_share`), a verified token-row :data:`TOKEN_SHARE` (``per_node`` always). Only ratios matter, so
-the prior needs no timing (and decides alone where timings must not: seeded sampling).
+the median of ``seconds - plain - per_node · extra node-rows``, which prices that depth (costs need not be linear in
+the depth: a matrix product of 3 rows can take longer than one of 4); a line through the points gives ``overhead``
+(at 0) and ``per_depth`` (its slope) for depths not measured; through the origin where one depth is. **Prior**,
+until timed, in plain steps: a drafting call costs the bytes of an MTP module and the output head over those of the
+trunk and the head (:func:`draft_cost_share`), a verified token-row :data:`TOKEN_SHARE` (``per_node`` always). Only
+ratios matter, so the prior needs no timing (and decides alone where timings must not: seeded sampling).
 
 Example::
 
@@ -145,9 +146,14 @@ class StepCost:
         return tuple(self.speed * value for value in (plain, overhead, per_depth, per_node))  # at the speed now
 
     def seconds(self, rows: int, tokens: int, drafts: int) -> float:
-        """A step's predicted cost; never below a tenth of a plain step, so noise cannot price a step at nothing."""
+        """A step's predicted cost: a depth timed :data:`MIN_SAMPLES` times at its own median, others on the line;
+        never below a tenth of a plain step, so noise cannot price a step at nothing."""
         plain, overhead, per_depth, per_node = self.parameters()
-        drafting = overhead + per_depth * drafts + per_node * rows * (tokens - 1 - drafts) if drafts else 0.0
+        drafting = 0.0
+        if drafts:
+            own = self._medians[1].get(drafts)
+            drafting = (self.speed * own if own is not None else overhead + per_depth * drafts) + (
+                per_node * rows * (tokens - 1 - drafts))
         return max(plain + drafting, 0.1 * plain)
 
 

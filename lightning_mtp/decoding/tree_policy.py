@@ -63,9 +63,6 @@ class AutoSteps:
         shape = option if self.tree_mode else (None if option == 0 else TreeShape.chain(option))
         self.policy.observe(shape, active_rows, reached[: 0 if shape is None else shape.depth], seconds, **rows)
 
-    def end_call(self) -> None:
-        self.policy.end_call()
-
 
 def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: int, device: torch.device,
                sync_ranks: bool, seeded: bool = False) -> tuple[Optional[Any], Optional[Any]]:
@@ -113,18 +110,16 @@ def draft_plan(module: nn.Module, host: Any, config: GenerationConfig, batch: in
     # the quickstart model, docs/decoding.md).
     beyond = int(module.mtp_config.architecture == "cascaded" and module.mtp_config.layout != "native")
     options = [None, requested] if requested is not None else candidate_options(config.draft_tokens or depth + beyond)
-    # A seeded sampling call decides without timings: which draft a step makes decides which random numbers it
-    # consumes, so a seed must give the same samples wherever it runs (the prior cost model and the call's own
-    # acceptance only).
+    # A seeded sampling call decides without timings or earlier calls: which draft a step makes decides which random
+    # numbers it consumes, so a seed must give the same samples wherever it runs (the prior cost model and the call's
+    # own acceptance only).
     timings = not (config.sampling and seeded)
     dtype = module.mtp_output_head().weight.dtype
     key = (type(host).__name__, batch, str(device), str(dtype), config.sampling, timings,
            tuple(o and o.describe() for o in options))
     build = lambda: AutoMemory.fresh(draft_cost_share(module), learn_costs=timings)  # noqa: E731  (weights read once)
-    # A seeded sampling call starts from nothing earlier calls learned either, so that its samples depend on the
-    # seed alone.
     memory = memory_for(module, key, build) if SWITCHES.memory and timings else build()
-    policy = AutoPolicy(memory, options, batch, timings=timings)
+    policy = AutoPolicy(memory, options, batch, timings=timings, max_new_tokens=config.max_new_tokens)
     deepest = max(o.depth for o in options if o is not None)
     if deepest > depth + beyond or not options[-1].is_chain:  # a tree, or a longer chain: the tree drafter
         return MTPTreeDrafter(module, deepest), AutoSteps(policy, tree_mode=True)
