@@ -34,6 +34,7 @@ from report_decoding import (  # noqa: E402
     render_decode_roofline,
     render_hf_compare,
     render_hf_mtp_compare,
+    render_replay_draws,
 )
 from report_format import (  # noqa: E402,F401  (provenance: what the benchmark scripts import from here)
     DEV_MACHINE,
@@ -340,6 +341,7 @@ REGISTRY: dict[str, Entry] = {
                                       render_finetune_acceptance),
     "decode_ablation.json": Entry("What each mechanism of auto is worth", render_decode_ablation),
     "decode_replay.json": Entry("What each mechanism of auto is worth, without timing noise", render_decode_replay),
+    "replay_draws.json": Entry("auto on fixed step costs", render_replay_draws),
     "decode_roofline.json": Entry("Speculative decoding on GPUs, predicted", render_decode_roofline),
     "kernels.json": Entry("Kernels against their torch twins", render_kernels),
     "gpu_check.json": Entry("The GPU check on a lent GPU", render_gpu_check),

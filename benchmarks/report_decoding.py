@@ -346,6 +346,32 @@ def render_decode_replay(source: Source) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------- replay_draws.sh
+def render_replay_draws(source: Source) -> list[str]:
+    runs = source.data["runs"]
+    out = [
+        "`speculative=\"auto\"` replayed (`benchmarks/decode_replay.py --costs-from`) on three fixed sets of step "
+        "costs: **a** and **b** measured on a 2-core CPU, **c** GPU-like (a drafting step 1.05 + 0.12·k plain "
+        "steps), on three models at batch 1 and 8. Each cell: `auto` over plain decoding / over the best fixed "
+        "chain, on modeled times (deterministic: the same on a busy machine); `*` below the targets (0.97× plain, "
+        "0.95× the best fixed chain).", "",
+        *(f"- **{label}:** command {command_text(run.get('command'))}, code {run.get('commit') or 'unrecorded'}"
+          for label, run in runs.items()),
+        f"- **Data:** {result_link(source.name)}", "",
+    ]
+    keys = [(r["draw"], r["model"], r["batch_size"]) for r in next(iter(runs.values()))["rows"]]
+    cells = {label: {(r["draw"], r["model"], r["batch_size"]): r for r in run["rows"]} for label, run in runs.items()}
+
+    def cell(row: Optional[dict]) -> str:
+        if row is None:
+            return "–"
+        return f"{num(row['vs_plain'])}× / {num(row['vs_best_fixed'])}×{'' if row['met'] else ' *'}"
+
+    out += table(["draw", "model", "batch", *runs], [[draw, model, str(batch), *(cell(cells[label].get(
+        (draw, model, batch))) for label in runs)] for draw, model, batch in keys])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- decode_roofline.py
 def render_decode_roofline(source: Source) -> list[str]:
     data = source.data

@@ -115,3 +115,19 @@ def test_plot_tensorboard_reads_one_run_and_refuses_a_folder_of_several(tmp_path
     assert [step for step, _ in series["train/main/loss"]] == list(range(6))
     with pytest.raises(SystemExit, match="holds 2 runs"):
         module.read_scalars(tmp_path / "logs")
+
+
+def test_replay_draws_renderer_puts_each_run_beside_the_others_and_marks_missed_targets(report):
+    def row(draw, batch, vs_plain, vs_best):
+        return {"draw": draw, "model": "quickstart", "batch_size": batch, "vs_plain": vs_plain,
+                "vs_best_fixed": vs_best, "met": vs_plain >= 0.97 and vs_best >= 0.95}
+
+    runs = {"before": {"command": "bash benchmarks/replay_draws.sh before", "commit": "abc1234",
+                       "rows": [row("a", 1, 1.2, 0.96), row("a", 8, 0.9, 1.1)]},
+            "auto": {"command": "bash benchmarks/replay_draws.sh auto", "commit": None,
+                     "rows": [row("a", 8, 0.99, 1.0)]}}
+    lines = report.render_replay_draws(report.Source("replay_draws.json", {"runs": runs}))
+    assert "| draw | model | batch | before | auto |" in lines
+    assert "| a | quickstart | 1 | 1.20× / 0.96× | – |" in lines  # a cell the later run lacks
+    assert "| a | quickstart | 8 | 0.90× / 1.10× * | 0.99× / 1.00× |" in lines  # below 0.97x plain: marked
+    assert any("code abc1234" in line for line in lines) and any("code unrecorded" in line for line in lines)
