@@ -57,6 +57,8 @@ for r in rows:
           f"{'' if r['met'] else '  *'}")
 import subprocess
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+dirty = subprocess.run(["git", "status", "--porcelain", "lightning_mtp"], capture_output=True, text=True).stdout
+commit = f"{commit} with uncommitted changes" if commit and dirty.strip() else commit
 runs = json.loads(out.read_text())["runs"] if out.is_file() else {}
 runs[label] = {"command": f"bash benchmarks/replay_draws.sh {label}", "commit": commit or None, "rows": rows}
 out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
