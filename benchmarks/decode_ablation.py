@@ -1,12 +1,11 @@
 """Which of ``speculative="auto"``'s mechanisms pay: each turned off in turn, timed against the whole policy.
 
-The policy (:mod:`lightning_mtp.decoding.auto`) has seven mechanisms, each a field of
+The policy (:mod:`lightning_mtp.decoding.auto`) has six mechanisms, each a field of
 :data:`lightning_mtp.decoding.auto.SWITCHES`:
 
 - ``fit``: the step-cost model fitted online to timed steps (off: the prior from the weights' bytes alone);
 - ``speed``: each timed step learned over the machine's current speed (the median of measured over predicted time of
   the last steps), so options measured while the machine was slower are not priced dear after (off: as measured);
-- ``guard``: measured drafting rate against measured plain rate, plain steps while drafting is slower;
 - ``memory``: costs and acceptance kept across calls (off: every call starts from the prior);
 - ``explore``: once every option is measured, the options not chosen measured in turn within ``EXPLORE_SHARE`` of
   the decoded time (off: each only until it is measured);
@@ -52,7 +51,7 @@ from report import provenance  # noqa: E402
 
 from lightning_mtp.decoding.auto import SWITCHES  # noqa: E402
 
-MECHANISMS = ("fit", "speed", "guard", "memory", "explore", "rows", "last_row")
+MECHANISMS = ("fit", "speed", "memory", "explore", "rows", "last_row")
 
 
 def variants(depth: int) -> list[tuple[str, dict, dict]]:

@@ -15,10 +15,16 @@ mechanisms are worth. Here the time of a step is taken out of the draw:
    memory and noise draw.
 
 Rows: plain, every fixed chain (1..D, and D + 1 for cascaded modules), the whole policy and the policy without each
-mechanism (:data:`decode_ablation.MECHANISMS`; ``speed``, which follows the machine's speed, has nothing to follow
-here), each after one warm-up pass over the prompts in its own memory, then ``--repeats`` passes. Assumptions: no EOS
-(every call emits ``--max-new-tokens``); the draft that follows plain steps (it catches the modules up) costs what a
-draft costs; the prefill is left out (the same for every row).
+mechanism of ``--ablate`` (:data:`decode_ablation.MECHANISMS`), each after one warm-up pass over the prompts in its
+own memory, then ``--repeats`` passes. Assumptions: no EOS (every call emits ``--max-new-tokens``); the draft that
+follows plain steps (it catches the modules up) costs what a draft costs; the prefill is left out (the same for every
+row).
+
+Two mechanisms pay only when the machine changes, so two scenarios change it: ``--learned-on DRAW`` runs the warm-up
+pass on another set of step costs (relative to the same plain step) than the replayed passes (``explore``: options
+not chosen are measured again), and ``--slow-spell PLAIN_STEPS FACTOR`` makes every step FACTOR times dearer for the
+first PLAIN_STEPS plain steps' worth of each row's replayed time (``speed``, which has nothing to follow otherwise and
+is only turned off under a spell). Their rows are named after the scenario.
 
 Usage::
 
@@ -26,6 +32,8 @@ Usage::
     python benchmarks/decode_replay.py --hf-compare .cache/lightning_mtp/hf_compare --label hf_compare --append
     # (the results: with --prompts 8 --prompt-tokens 48 --max-new-tokens 64, hf_compare.py's prompt length and budget)
     python benchmarks/decode_replay.py ... --costs-from benchmarks/results/decode_replay.json  # reuse the costs
+    python benchmarks/decode_replay.py --ckpt ... --label quickstart --costs-from benchmarks/cost_draws/costs_c.json \
+        --learned-on benchmarks/cost_draws/costs_b.json --append  # learned on CPU costs, replayed on GPU-like ones
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class Replay:
         self.force: Optional[int] = None  # drafts of every step (0: plain); None: the policy decides
         self.costs: Optional[dict[int, float]] = None  # drafts -> seconds of a step; None: real times, recorded
         self.noise, self.rng = 0.0, random.Random(0)
+        self.spell = (0.0, 1.0)  # (seconds, factor): steps that start in the first seconds of a row cost factor times
         self.measured: dict[int, list[float]] = {}
         self.seconds = 0.0
         self.steps: Counter = Counter()
@@ -75,14 +84,15 @@ class Replay:
             if not first and math.isfinite(seconds):
                 self.measured.setdefault(drafts, []).append(seconds)
             return seconds
-        self.seconds += self.costs[drafts]
-        return self.costs[drafts] * math.exp(self.rng.gauss(0.0, self.noise)) if math.isfinite(seconds) else seconds
+        cost = self.costs[drafts] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
+        self.seconds += cost
+        return cost * math.exp(self.rng.gauss(0.0, self.noise)) if math.isfinite(seconds) else seconds
 
     def retired(self) -> None:
         """A call decoded by the plain loop from its start: its plain steps."""
         self.steps["retired"] += self.max_new_tokens - 1
-        if self.costs is not None:
-            self.seconds += (self.max_new_tokens - 1) * self.costs[0]
+        for _ in range(self.max_new_tokens - 1 if self.costs is not None else 0):
+            self.seconds += self.costs[0] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
 
 
 @contextlib.contextmanager
@@ -139,12 +149,14 @@ def step_costs(model, batches, tokens: int, options: list[int], repeats: int, re
     return {drafts: statistics.median(replay.measured[drafts]) for drafts in options}
 
 
-def replay_rows(model, batches, tokens: int, costs: dict[int, float], args, replay: Replay) -> list[dict]:
-    """Modeled seconds of plain decoding, each fixed chain, ``auto`` and ``auto`` without each mechanism."""
+def replay_rows(model, batches, tokens: int, costs: dict[int, float], args, replay: Replay,
+                learned_on: Optional[dict[int, float]] = None) -> list[dict]:
+    """Modeled seconds of plain decoding, each fixed chain, ``auto`` and ``auto`` without each mechanism (the
+    warm-up pass on ``learned_on`` costs where given: the machine changed after ``auto`` learned)."""
     plan = [(f"chain k={k}" if k else "plain", k, {}) for k in costs]
-    plan += [("auto", None, {})] + [(f"auto without {m}", None, {m: False}) for m in MECHANISMS
-                                    if m != "speed" and args.ablation]
-    replay.costs, replay.noise = costs, args.noise
+    plan += [("auto", None, {})] + [(f"auto without {m}", None, {m: False}) for m in args.ablate
+                                    if (m != "speed" or args.slow_spell[1] != 1.0) and args.ablation]
+    replay.noise = args.noise
     rows = []
     for name, force, switches in plan:
         replay.force, spent, taus, steps = force, 0.0, [], Counter()
@@ -152,8 +164,10 @@ def replay_rows(model, batches, tokens: int, costs: dict[int, float], args, repl
             # each seed a policy of its own (its memory, its draw of noise): one decision changes every later one,
             # so a row is the sum over seeds, not one trajectory
             memory, replay.rng = {}, random.Random(seed)
+            replay.costs, replay.spell = learned_on or costs, (0.0, 1.0)
             decode_all(model, batches, tokens, memory, switches)  # warm-up: auto learns its first pass here
-            replay.steps, replay.seconds = Counter(), 0.0
+            replay.costs, replay.steps, replay.seconds = costs, Counter(), 0.0
+            replay.spell = (args.slow_spell[0] * costs[0], args.slow_spell[1])  # (plain steps' worth, factor)
             for _ in range(args.repeats):
                 taus.append(decode_all(model, batches, tokens, memory, switches)["tau"])
             spent += replay.seconds / (args.repeats * (1 if force is not None else args.seeds))
@@ -167,6 +181,21 @@ def replay_rows(model, batches, tokens: int, costs: dict[int, float], args, repl
     for row in rows:
         row.update(vs_plain=plain / row["seconds"], vs_best_fixed=best / row["seconds"], vs_auto=auto / row["seconds"])
     return rows
+
+
+def scenario_name(args: argparse.Namespace) -> str:
+    """The rows' model name: ``--label``, and what ``--learned-on`` or ``--slow-spell`` changed (the costs of
+    ``--costs-from`` are still looked up by ``--label``)."""
+    changes = ([f"learned on {args.learned_on.stem}, replayed on {args.costs_from.stem}"] if args.learned_on else
+               []) + (
+        [f"{args.slow_spell[1]:g}x slower for {args.slow_spell[0]:g} plain steps"] if args.slow_spell[1] != 1.0 else [])
+    return f"{args.label} ({', '.join(changes)})" if changes else args.label
+
+
+def kept_costs(path: Path, label: str, batch: int) -> dict[int, float]:
+    """Seconds of a step of each option (drafts; 0: plain) that an earlier ``--out`` measured for ``label``."""
+    kept = json.loads(path.read_text())["step_costs"][label][str(batch)]
+    return {int(k): v * kept["plain_step_s"] for k, v in kept["relative"].items()}
 
 
 def load_model(args: argparse.Namespace):
@@ -187,6 +216,7 @@ def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> dict:
     model.eval()
     replay = Replay(args.max_new_tokens)
     rows, costs_out = [], {}
+    name = scenario_name(args)
     with torch.inference_mode(), patched(replay):
         depth = model.mtp_config.depth
         options = list(range(0, depth + 2 if model.mtp_config.architecture == "cascaded" else depth + 1))
@@ -194,18 +224,21 @@ def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> dict:
             batches = chunks(prompts, batch)
             decode_all(model, batches, args.max_new_tokens, {})  # warm-up: shapes measured, caches filled
             if args.costs_from is not None:  # the costs an earlier run measured (policy variants compared on them)
-                kept = json.loads(args.costs_from.read_text())["step_costs"][args.label][str(batch)]
-                costs = {int(k): v * kept["plain_step_s"] for k, v in kept["relative"].items()}
+                costs = kept_costs(args.costs_from, args.label, batch)
             else:
                 costs = step_costs(model, batches, args.max_new_tokens, options, args.cost_repeats, replay)
+            learned_on = None
+            if args.learned_on is not None:  # the same plain step, the other draw's drafting costs relative to it
+                relative = kept_costs(args.learned_on, args.label, batch)
+                learned_on = {k: v / relative[0] * costs[0] for k, v in relative.items()}
             costs_out[str(batch)] = {"plain_step_s": costs[0], "relative": {str(k): v / costs[0]
                                                                            for k, v in costs.items()}}
             print(f"batch {batch}: step cost per plain step {costs_out[str(batch)]['relative']}", flush=True)
-            for row in replay_rows(model, batches, args.max_new_tokens, costs, args, replay):
-                rows.append({"model": args.label, "batch_size": batch, **row})
+            for row in replay_rows(model, batches, args.max_new_tokens, costs, args, replay, learned_on):
+                rows.append({"model": name, "batch_size": batch, **row})
                 print(f"  {row['row']:22s} {row['vs_plain']:.3f}x plain  {row['vs_best_fixed']:.3f}x best fixed  "
                       f"tau {row['tau']:.2f}  {row['steps']}", flush=True)
-    return {"rows": rows, "step_costs": {args.label: costs_out},
+    return {"rows": rows, "step_costs": {name: costs_out},
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             **provenance(__file__, argv)}
 
@@ -229,13 +262,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         "memory and noise seed (the row: their mean)")
     parser.add_argument("--costs-from", type=Path, help="replay on the step costs this earlier --out measured "
                         "for --label (instead of timing them again)")
+    parser.add_argument("--learned-on", type=Path, help="the warm-up pass on this earlier --out's step costs "
+                        "(relative to a plain step), the replayed passes on --costs-from's: the machine changed after "
+                        "auto learned")
+    parser.add_argument("--slow-spell", type=float, nargs=2, default=(0.0, 1.0), metavar=("PLAIN_STEPS", "FACTOR"),
+                        help="the machine slows down for the first PLAIN_STEPS plain steps' worth of each row's "
+                        "replayed time: every step then costs FACTOR times (another process; the speed mechanism)")
+    parser.add_argument("--ablate", nargs="+", default=list(MECHANISMS), choices=MECHANISMS,
+                        help="the mechanisms turned off one at a time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="plain, the fixed chains and auto only (no mechanism turned off)")
     parser.add_argument("--append", action="store_true", help="add this model's rows to an existing --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_replay.json")
     args = parser.parse_args(argv)
-    return save(run(args, argv), args.out, args.label, args.append)
+    return save(run(args, argv), args.out, scenario_name(args), args.append)
 
 
 if __name__ == "__main__":

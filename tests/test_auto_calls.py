@@ -1,6 +1,6 @@
-"""``speculative="auto"`` across a call and across calls, on simulated machines (``test_auto_policy``'s): the guard's
-holds, calls retired to the plain loop, the share of time spent measuring options not chosen, what later calls start
-from, and a batch's drafts rated at what its last row realized in earlier calls."""
+"""``speculative="auto"`` across a call and across calls, on simulated machines (``test_auto_policy``'s): calls retired
+to the plain loop, the share of time spent measuring options not chosen, what later calls start from, and a batch's
+drafts rated at what its last row realized in earlier calls."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from test_auto_policy import FixedChain, Machine, decode_batch, policy_for, run
 from lightning_mtp.decoding.auto import (
     CALL_START_TRIES,
     EXPLORE_SHARE,
-    HOLD_STEPS,
     NOTHING,
     AutoMemory,
     AutoPolicy,
@@ -25,40 +24,6 @@ from lightning_mtp.decoding.tree import TreeShape
 def call_policy(memory: AutoMemory, rows: int = 1, max_new_tokens: int = 100, depth: int = 3) -> AutoPolicy:
     """A call's policy as the decoding loop makes it (its budget known: it may be retired)."""
     return AutoPolicy(memory, candidate_options(depth), rows, max_new_tokens=max_new_tokens)
-
-
-# ----------------------------------------------------------------------------------------------- the guard
-def test_the_guard_holds_plain_when_drafting_measures_slower(switches):
-    """Without the fit (the prior alone says drafting pays) the measured rates decide: each drafting call costs three
-    plain steps, so a chain of 3 emits 3.4 tokens in 10 seconds against a plain step's 1 in 1.01. A later call
-    compares its drafting with the plain steps earlier calls measured: the guard holds it plain 4 times in 200 steps
-    (128 plain steps) and it emits 0.43 tokens/s against 0.30 unguarded (plain decoding: 0.99)."""
-    switches.fit = False
-
-    def later_call() -> tuple[Counter, float, AutoPolicy]:
-        memory, machine = AutoMemory.fresh(0.05), Machine(per_draft=3.0, accept=0.8)
-        run(policy_for(memory=memory), machine, 300)  # measures plain steps (in turn, within EXPLORE_SHARE)
-        policy = policy_for(memory=memory)
-        return (*run(policy, machine, 200), policy)
-
-    choices, rate, policy = later_call()
-    switches.guard = False
-    unguarded_choices, unguarded, _ = later_call()
-    assert policy.holds >= 3 and choices["plain"] > 0.5 * 200, (policy.holds, choices)
-    assert unguarded_choices["plain"] < 0.05 * 200 and rate > 1.3 * unguarded, (rate, unguarded)
-    assert rate < 1 / Machine().seconds(None)  # plain decoding is faster still: each hold ends with drafting again
-
-
-def test_a_hold_lasts_hold_steps(switches):
-    """The guard's hold is HOLD_STEPS plain steps (no confirmation, no doubling), then the call drafts again."""
-    switches.fit = False
-    policy, machine = policy_for(share=0.05), Machine(per_draft=3.0, accept=0.8)
-    while policy.holds == 0:
-        machine.step(policy, policy.next())
-    held = 0
-    while (option := policy.next()) is None and held < 10 * HOLD_STEPS:
-        held += 1
-    assert held == HOLD_STEPS and option is not None and policy.holds == 1
 
 
 # ------------------------------------------------------------------------------------- calls retired to the plain loop

@@ -1,6 +1,6 @@
 """``speculative="auto"``: the step-cost model, the acceptance estimates, the choice and a batch's rows, on simulated
-machines whose step costs and acceptance are known (:class:`Machine`; the guard and the memory across calls on them
-are in ``test_auto_calls``); and on a real model, that a call starting plainly never touches the drafter, a seed
+machines whose step costs and acceptance are known (:class:`Machine`; the memory across calls on them is
+in ``test_auto_calls``); and on a real model, that a call starting plainly never touches the drafter, a seed
 reproduces sampled output, and the options and plain steps are what they should be. (Lossless decoding with
 ``auto``, where drafts are accepted, is checked in ``test_tree_decoding``.)"""
 
@@ -20,7 +20,6 @@ from lightning_mtp.decoding.auto import (
     AutoMemory,
     AutoPolicy,
     candidate_options,
-    measured_rate,
 )
 from lightning_mtp.decoding.step_cost import TOKEN_SHARE, StepCost
 from lightning_mtp.decoding.tree import TreeShape
@@ -92,13 +91,11 @@ def test_the_cost_model_learns_the_machines_step_costs():
 
 
 def test_drafts_measured_while_the_machine_was_slow_are_not_priced_dear_after(switches):
-    """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. The guard is
-    off here (it would hold the call plain in the slow spell, and plain steps timed then are as slow as the drafts).
-    Learned as measured, the chain's window fills with slow steps while the few plain steps measured before stay
-    fast: the drafts are priced half as dear again as they are and the call steps plainly for most of the 300 steps
-    after (296: 0.99 tokens/s). Learned over the machine's speed at the time, it goes on drafting (1.22 tokens/s, as
+    """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. Learned
+    as measured, the chain's window fills with slow steps while the few plain steps measured before stay fast: the
+    drafts are priced half as dear again as they are and the call steps plainly for most of the 300 steps after (296:
+    0.99 tokens/s). Learned over the machine's speed at the time, it goes on drafting (1.22 tokens/s, as
     fast as a call without the spell)."""
-    switches.guard = False
 
     def after_a_slow_spell() -> tuple[Counter, float]:
         machine, policy = Machine(per_draft=0.3, accept=0.6, seed=3), policy_for()
@@ -118,8 +115,8 @@ def test_drafts_measured_while_the_machine_was_slow_are_not_priced_dear_after(sw
 
 def test_one_slow_step_does_not_decide():
     """A step that measured new matrix-product shapes (or lost its thread) takes many times its cost: a median of
-    fewer than three steps would be that step, so a kind's median counts from three steps on, rates are mean tokens
-    over the median time, and a step reported without a time of its own (nan) is not learned from."""
+    fewer than three steps would be that step, so a kind's median counts from three steps on, and a step reported
+    without a time of its own (nan) is not learned from."""
     cost = StepCost(draft_share=0.2)
     for _ in range(5):
         cost.observe(1, 1, 0, 0.010)
@@ -128,7 +125,6 @@ def test_one_slow_step_does_not_decide():
     cost.observe(1, 3, 2, 0.016)
     cost.observe(1, 3, 2, 0.016)
     assert cost.parameters()[1:3] == pytest.approx((0.0, 0.003))  # median 0.016: 0.006 over two depths
-    assert measured_rate([(1.0, 0.010)] * 15 + [(1.0, 1.0)]) == pytest.approx(100.0)
     policy, chain = policy_for(), TreeShape.chain(2)
     for option in (None, chain):  # the call's first step and the first draft after it are never timed
         policy.next()
@@ -267,26 +263,6 @@ def test_a_rows_counts_fade_while_it_steps_plainly():
     # 20 rejections (16.6 tries once faded) against the pooled half worth ROW_TRIES = 12: 0.21
     assert low < 0.5 * shared and shared > 0.45
     assert faded - low > 0.3 * (shared - low)  # 64 plain steps keep 0.98^64 = 27% of the row's counts
-
-
-def test_the_guard_measures_a_batch_by_the_progress_of_its_last_row(switches):
-    """Rated by the pooled acceptance, a batch whose one row never accepts drafts keeps drafting, and the tokens the
-    other rows' drafts emit (3.4 per row and step, pooled) make drafting measure faster than plain. The call ends
-    when that row has emitted its budget one token per step, so the guard measures a step by how far it brought the
-    row with the most tokens left: drafting measures slower, and it holds the call plain (4 holds: 1.34x plain's time
-    against 1.69x unguarded; each hold ends with GUARD_WINDOW drafting steps to measure again). The last-row
-    correction, which would rate the drafts down itself, is off."""
-    accept, budget = [0.95] * 7 + [0.0], 192
-    switches.rows = False  # rated by the acceptance pooled over the rows
-    switches.last_row = False
-    machine = Machine(per_draft=0.3, seed=4)
-    plain = decode_batch(None, machine, accept, budget)
-    policy = policy_for(share=0.3, rows=8)
-    guarded = decode_batch(policy, machine, accept, budget)
-    switches.guard = False
-    unguarded = decode_batch(policy_for(share=0.3, rows=8), machine, accept, budget)
-    assert unguarded > 1.5 * plain  # drafting all along: 191 steps of 2.2 seconds against 1.1
-    assert policy.holds >= 3 and guarded < 1.4 * plain and guarded < 0.85 * unguarded, (policy.holds, guarded, plain)
 
 
 def test_a_batch_of_rows_that_accept_drafts_draws_deep_chains():

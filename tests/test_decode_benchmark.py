@@ -184,13 +184,13 @@ def test_the_roofline_measures_steps_beside_its_prediction(tmp_path):
 def test_the_ablation_keeps_a_mechanism_only_where_removing_it_costs_two_percent():
     ablation = load_benchmark("decode_ablation")
     rows = [{"row": "auto without fit", "vs_auto": 0.9}, {"row": "auto without fit", "vs_auto": 1.1},
-            {"row": "auto without guard", "vs_auto": 0.99}, {"row": "auto without memory", "vs_auto": 1.05}]
+            {"row": "auto without explore", "vs_auto": 0.99}, {"row": "auto without memory", "vs_auto": 1.05}]
     verdicts = ablation.verdicts(rows)
-    assert verdicts == pytest.approx({"fit": 0.1, "guard": 0.01, "memory": -0.05})
+    assert verdicts == pytest.approx({"fit": 0.1, "explore": 0.01, "memory": -0.05})
     assert [m for m, v in verdicts.items() if v >= 0.02] == ["fit"]
     names = [name for name, _, _ in ablation.variants(3)]
     assert names == ["plain", "chain k=1", "chain k=2", "chain k=3", "auto", "auto without fit",
-                     "auto without speed", "auto without guard", "auto without memory", "auto without explore",
+                     "auto without speed", "auto without memory", "auto without explore",
                      "auto without rows", "auto without last_row"]
 
 
@@ -220,6 +220,39 @@ def test_the_replay_costs_every_step_at_its_measured_price_and_restores_the_poli
         row = rows[f"chain k={k}"]
         assert row["seconds"] == pytest.approx(row["steps"][str(k)] * costs[str(k)] * plain_seconds)
         assert row["vs_plain"] == pytest.approx(rows["plain"]["seconds"] / row["seconds"])
-    assert {"auto", "auto without explore", "auto without guard"} <= set(rows) and "auto without speed" not in rows
+    assert {"auto", "auto without explore", "auto without memory"} <= set(rows) and "auto without speed" not in rows
     assert sum(rows["auto"]["steps"].values()) > 0 and set(result["verdicts"]) == {
-        "fit", "guard", "memory", "explore", "rows", "last_row"}
+        "fit", "memory", "explore", "rows", "last_row"}
+
+
+def test_the_replay_scenarios_change_the_machine_after_auto_learned(tiny_checkpoint, tmp_path):
+    """``--slow-spell 4 2``: the first 4 plain steps' worth of each row's replayed time cost twice as much, so plain
+    decoding (14 steps) takes 2 steps at twice the cost, 16 plain steps in all; ``speed`` is ablated only under a
+    spell. ``--learned-on``: the rows are named after the scenario, priced at ``--costs-from``'s costs."""
+    replay = load_benchmark("decode_replay")
+    _, ckpt = tiny_checkpoint
+    base = ["--ckpt", str(ckpt), "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1", "--cost-repeats",
+            "1", "--repeats", "1", "--seeds", "1", "--label", "tiny"]
+    costs = tmp_path / "costs.json"
+    measured = replay.main(base + ["--no-ablation", "--out", str(costs)])
+    plain_step = measured["step_costs"]["tiny"]["1"]["plain_step_s"]
+    dear = json.loads(costs.read_text())
+    relative = dear["step_costs"]["tiny"]["1"]["relative"]
+    dear["step_costs"]["tiny"]["1"]["relative"] = {k: 1.0 + 3 * float(k) for k in relative}  # drafting dear
+    dear_costs = tmp_path / "dear.json"
+    dear_costs.write_text(json.dumps(dear))
+
+    spell = replay.main(base + ["--costs-from", str(costs), "--slow-spell", "4", "2", "--ablate", "speed", "explore",
+                                "--out", str(tmp_path / "spell.json")])
+    rows = {r["row"]: r for r in spell["rows"]}
+    assert {r["model"] for r in spell["rows"]} == {"tiny (2x slower for 4 plain steps)"}
+    assert rows["plain"]["seconds"] == pytest.approx(16 * plain_step)
+    assert {"auto without speed", "auto without explore"} <= set(rows) and "auto without fit" not in rows
+
+    shifted = replay.main(base + ["--costs-from", str(costs), "--learned-on", str(dear_costs), "--no-ablation",
+                                  "--out", str(tmp_path / "shifted.json")])
+    assert {r["model"] for r in shifted["rows"]} == {"tiny (learned on dear, replayed on costs)"}
+    rows = {r["row"]: r for r in shifted["rows"]}
+    assert rows["plain"]["seconds"] == pytest.approx(14 * plain_step) and "auto without speed" not in rows
+    assert rows["chain k=1"]["seconds"] == pytest.approx(
+        rows["chain k=1"]["steps"]["1"] * measured["step_costs"]["tiny"]["1"]["relative"]["1"] * plain_step)

@@ -97,7 +97,6 @@ def test_auto_equals_plain_greedy_where_its_drafts_are_accepted(models, architec
     model = models[architecture]
     monkeypatch.setattr(tree_policy, "draft_cost_share", lambda module: 0.02)
     monkeypatch.setattr(SWITCHES, "fit", False)
-    monkeypatch.setattr(SWITCHES, "guard", False)
     monkeypatch.delitem(model.__dict__, "_mtp_auto_memory", raising=False)  # other tests' memories
     input_ids, mask, prompts = ragged_prompts(seed=4)
     expected = [alone(model, p, 48) for p in prompts]

@@ -11,9 +11,9 @@ and a named tree or longer chain) by expected tokens over predicted seconds and 
 
 **Measuring.** An option is taken in place of the best until it has
 :data:`~lightning_mtp.decoding.step_cost.MIN_SAMPLES` timed steps; after that the options not chosen are measured in
-turn while the time spent so stays within :data:`EXPLORE_SHARE` of the time decoded. **The guard** steps plainly for
-:data:`HOLD_STEPS` when the last :data:`GUARD_WINDOW` chosen drafting steps measured fewer tokens per second than the
-last plain steps (a step is worth how far it brought the row with the most tokens left).
+turn while the time spent so stays within :data:`EXPLORE_SHARE` of the time decoded. No separate guard compares
+measured drafting with measured plain rates: each option is already rated at its own measured step time, acceptance
+and (in a batch) its last row's realized progress, so it would compare what the rating compares.
 
 **Memory** is kept per module, host, batch size, device and mode. A call rated plain at its start with nothing to
 measure is **retired** (:attr:`AutoPolicy.retired`): the loop runs its plain loop, without the drafter. A call with a
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable, Optional
 
-from lightning_mtp.decoding.step_cost import MIN_SAMPLES, StepCost
+from lightning_mtp.decoding.step_cost import StepCost
 from lightning_mtp.decoding.tree import TreeShape
 
 PRIOR_ACCEPTANCE = 0.6
@@ -51,10 +51,6 @@ ROW_TRIES = 12.0
 """How many tries the shared estimate is worth against a row's own counts (batches of several rows)."""
 EXPLORE_SHARE = 0.03
 """The most of the decoded time that measuring options not chosen may take, once each option is measured."""
-GUARD_WINDOW = 16
-"""Chosen drafting steps whose measured tokens per second the guard compares with the last as many plain steps'."""
-HOLD_STEPS = 32
-"""Plain steps the guard takes when drafting measured slower than plain."""
 
 
 def candidate_options(max_drafts: int) -> list[Optional[TreeShape]]:
@@ -69,7 +65,6 @@ class AutoMemory:
     cost: StepCost
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
     # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
-    plain_steps: list[tuple[float, float]] = field(default_factory=list)  # (progress, seconds): the guard's plain rate
     decoded: float = 0.0  # plain steps' worth (predicted) of every step taken: EXPLORE_SHARE
     measuring: float = 0.0  # ... of the steps taken to measure an option not chosen, once each was measured
     turn: int = 0  # the option to measure next, in turn
@@ -101,7 +96,6 @@ class Switches:
 
     fit: bool = True  # step costs fitted to the timed steps (off: the prior from the weights' bytes)
     speed: bool = True  # steps learned over the machine's speed at the time (off: as measured; see .step_cost)
-    guard: bool = True
     memory: bool = True  # what earlier calls learned (off: each call starts afresh)
     explore: bool = True  # options not chosen measured in turn within EXPLORE_SHARE (off: only until measured)
     rows: bool = True  # a batch rated by its rows' own acceptance and its last row (off: the pooled acceptance)
@@ -128,9 +122,6 @@ class AutoPolicy:
         self._tokens: dict[tuple[Optional[int], str], list[float]] = {}
         self.deepest = max(o.depth for o in options if o is not None)
         self.steps = 0
-        self.hold = 0  # plain steps the guard still holds
-        self.holds = 0  # times the guard held this call plain
-        self.window: list[tuple[float, float]] = []  # (progress, seconds) of the last chosen drafting steps
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
         self.measure: list[Optional[TreeShape]] = []  # the steps still to take to measure an option
         self.measuring = self.charged = False  # the step being taken measures an option (charged: not chosen)
@@ -166,17 +157,25 @@ class AutoPolicy:
         """Expected tokens a step emits for ``row`` (bonus token counted): in a batch, the row's counts in this call
         over the shared estimate (:meth:`acceptance`) worth :data:`ROW_TRIES` tries; alone, the shared estimate
         (it is the row's)."""
-        depth, key = (0, (row, "chain")) if option is None else (option.depth, (row, _kind(option)))
-        tokens = self._tokens.get(key)  # after 0..deepest depths, memoised until the next observation
-        if tokens is None:
-            tokens, reach = [1.0], 1.0
-            counts = self.rows.get(row, {}) if self.batch_size > 1 else {}
-            for level in range(1, self.deepest + 1):
-                hits, tried = counts.get(level, (0.0, 0.0))
-                reach *= (hits + ROW_TRIES * self.acceptance(level, key[1])) / (tried + ROW_TRIES)
-                tokens.append(tokens[-1] + reach)
-            self._tokens[key] = tokens
-        return tokens[depth]
+        return self._expected(option, [row])[row]
+
+    def _expected(self, option: Optional[TreeShape], rows: Any) -> dict[Optional[int], float]:
+        """:meth:`expected_tokens` of ``option`` for each of ``rows`` (each row's tokens after 0..deepest depths
+        memoised until the next observation: a step rates every option for every row)."""
+        depth, kind = (0, "chain") if option is None else (option.depth, _kind(option))
+        expected = {}
+        for row in rows:
+            tokens = self._tokens.get((row, kind))
+            if tokens is None:
+                tokens, reach = [1.0], 1.0
+                counts = self.rows.get(row, {}) if self.batch_size > 1 else {}
+                for level in range(1, self.deepest + 1):
+                    hits, tried = counts.get(level, (0.0, 0.0))
+                    reach *= (hits + ROW_TRIES * self.acceptance(level, kind)) / (tried + ROW_TRIES)
+                    tokens.append(tokens[-1] + reach)
+                self._tokens[(row, kind)] = tokens
+            expected[row] = tokens[depth]
+        return expected
 
     def seconds(self, option: Optional[TreeShape]) -> float:
         """Predicted seconds of a step of ``option`` (in plain steps until plain steps are timed)."""
@@ -186,7 +185,7 @@ class AutoPolicy:
     def rate(self, option: Optional[TreeShape]) -> float:
         """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
         the time until its last row ends: the row with the most steps left, remaining / expected tokens, decides."""
-        expected = {row: self.expected_tokens(option, row) for row in self.rows}
+        expected = self._expected(option, self.rows)
         share = self.last_row_share(option) if self.batch_size > 1 else 1.0
         if not self.remaining or not self.switches.rows:
             return (sum(expected.values()) if expected else 1.0) * share / self.seconds(option)
@@ -202,7 +201,7 @@ class AutoPolicy:
         """The tokens a step of ``option`` is rated to bring the row with the most tokens left."""
         if not self.remaining:
             return 0.0
-        expected = {row: self.expected_tokens(option, row) for row in self.remaining}
+        expected = self._expected(option, self.remaining)
         return max(self.remaining.values()) / max(self.remaining[row] / expected[row] for row in self.remaining)
 
     def best(self) -> Optional[TreeShape]:
@@ -213,16 +212,14 @@ class AutoPolicy:
     def next(self) -> Optional[TreeShape]:
         """The next step's draft (``None``: a plain step)."""
         self.steps += 1
-        if self.hold > 0:
-            self.hold -= 1
-            return self._took(None, measuring=False)
-        if not self.measure and self.timings:
-            option = self.to_measure(self.best())
-            if option is not NOTHING:  # a draft after plain steps catches the modules up first (untimed): two steps
-                self.measure = [option] * (1 + (option is not None and self.after_plain))
-        if self.measure:
-            return self._took(self.measure.pop(0), measuring=True)
-        return self._took(self.best(), measuring=False)
+        if not self.measure:
+            choice = self.best()
+            option = self.to_measure(choice) if self.timings else NOTHING
+            if option is NOTHING:
+                return self._took(choice, measuring=False)
+            # a draft after plain steps catches the modules up first (untimed): two steps
+            self.measure = [option] * (1 + (option is not None and self.after_plain))
+        return self._took(self.measure.pop(0), measuring=True)
 
     def to_measure(self, choice: Optional[TreeShape]) -> Any:
         """The option to measure instead of ``choice`` (:data:`NOTHING`: none): one not yet timed
@@ -276,12 +273,8 @@ class AutoPolicy:
                 for depth in range(1, max(tried, len(self.rows[row])) + 1):
                     _count(self.rows[row].setdefault(depth, [0.0, 0.0]), float(tried >= depth <= accepted),
                            float(tried >= depth))
-        # the guard's worth of a step: a call ends when its last row does, so how far it brought the row with the most
-        # tokens left, for every row; until the loop reports the rows' budgets, the tokens the rows emitted
-        last_row = None if longest is None or rows is None else longest - max(self.remaining.values(), default=0)
-        progress = active_rows + sum(reached) if last_row is None else active_rows * last_row
-        if self.rated > 0 and last_row is not None:
-            _count(self.memory.last_row, last_row, self.rated)
+        if self.rated > 0 and longest is not None and rows is not None:  # the last row's realized over rated progress
+            _count(self.memory.last_row, longest - max(self.remaining.values(), default=0), self.rated)
         self.rated = 0.0
         catching_up, self.after_plain = option is not None and self.after_plain, option is None
         if self.measuring and self.charged:  # in plain steps: as timed (the catching-up step too), else as predicted
@@ -294,25 +287,11 @@ class AutoPolicy:
             tokens = 1 if option is None else option.num_nodes + 1
             self.memory.cost.observe(active_rows, tokens, 0 if option is None else option.depth, seconds,
                                      track_speed=self.switches.speed)
-        if option is None:
-            self.memory.plain_steps = (self.memory.plain_steps + [(progress, seconds)])[-GUARD_WINDOW:]
-        elif not self.measuring:
-            self.window = (self.window + [(progress, seconds)])[-GUARD_WINDOW:]
-            plain = self.memory.plain_steps
-            if self.switches.guard and len(self.window) == GUARD_WINDOW and len(plain) >= MIN_SAMPLES and (
-                    measured_rate(self.window) < measured_rate(plain)):
-                self.hold, self.holds, self.window = HOLD_STEPS, self.holds + 1, []
 
 
 def _count(counts: list[float], hits: float, tried: float) -> None:
     """Forget a little of ``counts`` ([accepted, tried]) and add a try."""
     counts[0], counts[1] = FORGET * counts[0] + hits, FORGET * counts[1] + tried
-
-
-def measured_rate(steps: list[tuple[float, float]]) -> float:
-    """Tokens per second of timed ``(tokens, seconds)`` steps: mean tokens over the median step time, so that one slow
-    step (a first matrix-product shape being measured, a preempted thread) does not decide."""
-    return sum(t for t, _ in steps) / len(steps) / max(median(s for _, s in steps), 1e-12)
 
 
 def memory_for(module: Any, key: tuple, build: Callable[[], AutoMemory]) -> AutoMemory:

@@ -48,8 +48,8 @@ class GenerationConfig:
     """Keep the smallest set of most likely tokens whose probability sums to ≥ p, in (0, 1]."""
     speculative: Union[bool, Literal["auto"]] = "auto"
     """``"auto"``: every step picks its draft (a plain step or a chain) by the most expected tokens per
-    second, from a step-cost model fitted to the steps it times and running acceptance estimates, with a guard that
-    steps plainly where drafting measures slower (:mod:`lightning_mtp.decoding.auto`). ``True``:
+    second, from a step-cost model fitted to the steps it times and running acceptance estimates
+    (:mod:`lightning_mtp.decoding.auto`). ``True``:
     always draft (``draft_tokens`` / ``draft_tree``); ``False``: plain autoregressive decoding with the same KV
     cache (the reference). All three give the same greedy output and the same sampling distribution."""
     draft_tokens: Optional[int] = None
