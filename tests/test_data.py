@@ -3,7 +3,9 @@ tokenizers, small corpora so each test stays fast)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from lightning_mtp.data import (
     tokenize_documents,
 )
 from lightning_mtp.data import datamodule as datamodule_module
+from lightning_mtp.data.atomic import atomic_write
 from lightning_mtp.data.corpus import cap_bytes, corpus_root, read_text, split_point
 
 SMALL = 200_000  # corpus bytes used by the datamodule tests
@@ -198,6 +201,22 @@ def test_bpe_cache_is_reused_and_keyed(stdlib_sample, cache_dir, monkeypatch, tm
     first.save(saved)
     loaded = BPETokenizer.load(saved)
     assert loaded.encode(NON_ASCII) == first.encode(NON_ASCII) and loaded.fingerprint == first.fingerprint
+
+
+def test_a_full_disk_while_caching_the_trained_tokenizer_names_the_cache_dir(stdlib_sample, tmp_path, monkeypatch):
+    """The disk fills while the trained BPE tokenizer is written into ``--data.cache_dir``: one ``ValueError`` names
+    the flag, the folder and the reason, and no tokenizer file (nor its temporary) is left to be loaded later."""
+    from lightning_mtp.data import tokenizers
+
+    def full_disk(fh):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tokenizers, "atomic_write", lambda path, write: atomic_write(path, full_disk))
+    with pytest.raises(ValueError, match=r"^--data.cache_dir .*: writing the BPE tokenizer trained on --data.corpus "
+                       r"into .*tokenizers.* failed: the disk is full \(ENOSPC\)"):
+        BPETokenizer.train(stdlib_sample, vocab_size=512, cache_dir=tmp_path)  # (a cache of its own: none yet)
+    folder = BPETokenizer.cache_path(stdlib_sample, 512, tmp_path).parent
+    assert list(folder.iterdir()) == []
 
 
 def test_tokenizer_errors_name_the_flag(stdlib_sample, cache_dir):

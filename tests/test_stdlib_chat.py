@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import doctest
+import errno
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -279,3 +281,23 @@ def test_a_chat_template_renders_a_record(records):
     ids = wrapped(text, add_special_tokens=False)["input_ids"]
     assert wrapped.convert_tokens_to_ids("<|assistant|>") in ids
     assert wrapped.decode(ids) == text
+
+
+def test_a_full_disk_is_one_line_naming_out_and_leaves_no_file(tmp_path, capsys, monkeypatch):
+    """The disk fills while the records are written: the command says so in one line naming ``--out`` and exits 2;
+    neither the file nor its temporary remains."""
+    from lightning_mtp.data.atomic import atomic_write
+
+    def filling_up(path, write):
+        def write_until_full(fh):
+            fh.write(b'{"partial": ')
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        atomic_write(path, write_until_full)
+
+    monkeypatch.setattr(stdlib_chat, "atomic_write", filling_up)
+    out = tmp_path / "chat.jsonl"
+    assert main(["--out", str(out), "--max-records", "3"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"error: --out {str(out)!r}: writing the chat records failed: the disk is full (ENOSPC): free "
+                     "space there, or write them to another disk (--out)")
+    assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lightning_mtp.data.atomic import atomic_write
+from lightning_mtp.data.cache_dir import writing_cache
 from lightning_mtp.data.corpus import FileSpan, as_span, read_texts
 
 EOS_TOKEN = "<|endoftext|>"
@@ -323,8 +324,9 @@ class BPETokenizer(Tokenizer):
         if path is not None and path.is_file():
             return cls.load(path)
         tok = cls.train_from_texts(read_texts(files) if texts is None else texts(), vocab_size)
-        if path is not None:
-            tok.save(path)
+        if path is not None:  # a full disk: one line naming --data.cache_dir, no partial file (atomic_write)
+            with writing_cache(Path(cache_dir), path.parent, "BPE tokenizer trained on --data.corpus"):
+                tok.save(path)
         return tok
 
     @classmethod
