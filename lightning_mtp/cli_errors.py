@@ -128,7 +128,12 @@ def _union_reason(lines: list[str], indent: int) -> str:
 
 
 class ShortErrorParser(LightningArgumentParser):
-    """A LightningArgumentParser whose parse errors are one line (see :func:`condense_parse_error`)."""
+    """A LightningArgumentParser whose parse errors are one line (see :func:`condense_parse_error`), and which takes
+    every flag by its whole name: ``--trainer.max_ste 5`` is refused, not read as ``--trainer.max_steps``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("LIGHTNING_MTP_TRACEBACK"):

@@ -48,8 +48,8 @@ ALTERNATIVE = ("other models keep their MTP heads in the checkpoint itself (HFCa
 
 
 def export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-mtp export",
+    parser = argparse.ArgumentParser(  # no abbreviations: "--over" must not pass for --overwrite, which deletes
+        prog="lightning-mtp export", allow_abbrev=False,
         description="Write an HFCausalLM checkpoint with native MTP layers (--model.mtp.layout native) as a "
                     "transformers folder that AutoModelForCausalLM.from_pretrained loads and generate(use_mtp=True) "
                     "decodes with.")

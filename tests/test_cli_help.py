@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import cli_refusal
 
 from lightning_mtp.cli import main
 
@@ -106,3 +107,11 @@ def test_printed_deepspeed_config_parses_back(tmp_path):
     again = subprocess.run([*command[:4], "--config", "ds3.yaml", "--print_config"], capture_output=True, text=True,
                            env=env, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_a_flag_is_taken_by_its_whole_name_only(capsys):
+    """``--trainer.max_ste 5`` is refused in one line, not read as ``--trainer.max_steps`` (an abbreviation that a
+    later flag could make mean something else, or that a typo could turn into a flag the user did not mean)."""
+    err = cli_refusal(["fit", "--config", str(REPO / "configs" / "mtp.yaml"), "--trainer.max_ste", "5",
+                       "--print_config"], capsys)
+    assert "unrecognized arguments: --trainer.max_ste 5" in err, err

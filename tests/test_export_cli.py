@@ -57,6 +57,16 @@ def test_a_non_empty_out_is_refused_without_overwrite_and_left_unchanged(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_a_flag_abbreviation_is_refused_and_deletes_nothing(tmp_path, native, capsys):
+    """``--over`` is not ``--overwrite`` (which deletes the folder's files): refused before anything is read or written,
+    the earlier export left as it was."""
+    model, ckpt = native
+    before = sharded_export(model, tmp_path / "out")
+    err = cli_refusal(export_args(ckpt, tmp_path / "out", "--over"), capsys)
+    assert "unrecognized arguments: --over" in err, err
+    assert folder_state(tmp_path / "out") == before
+
+
 def test_overwrite_replaces_an_earlier_sharded_export_whole(tmp_path, native, capsys):
     model, ckpt = native
     sharded_export(model, tmp_path / "out")

@@ -301,3 +301,12 @@ def test_a_full_disk_is_one_line_naming_out_and_leaves_no_file(tmp_path, capsys,
     assert error == (f"error: --out {str(out)!r}: writing the chat records failed: the disk is full (ENOSPC): free "
                      "space there, or write them to another disk (--out)")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_flag_abbreviation_is_refused(tmp_path, capsys):
+    """``--min 10`` would silently set --min-docstring-chars: every flag is its whole name."""
+    out = tmp_path / "chat.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(out), "--min", "10", "--max-records", "2"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --min 10" in capsys.readouterr().err
+    assert not out.exists()

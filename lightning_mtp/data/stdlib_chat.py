@@ -379,7 +379,7 @@ def _optional_int(value: str) -> Optional[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_mtp.data.stdlib_chat",
+        prog="python -m lightning_mtp.data.stdlib_chat", allow_abbrev=False,  # a flag is its whole name
         description="Write a chat data set (JSONL, one {id, source_file, messages} per line) whose user turns ask "
         "for a standard library function from its signature and docstring and whose assistant turns are its source.",
     )
