@@ -125,13 +125,19 @@ def cache_write_failure(error: BaseException) -> Optional[OSError]:
     return None
 
 
-def cache_write_error(cache_dir: Path, folder: Path, what: str, error: OSError) -> ValueError:
-    """The one-line refusal of a cache write that failed with ``error`` (one of :data:`WRITE_FAILURES`; ``datasets``'
-    own free-space check counts as ``ENOSPC``)."""
+def write_failure_reason(error: OSError) -> tuple[str, str]:
+    """(what happened, with its errno name; what to do) of a write that failed with ``error`` (one of
+    :data:`WRITE_FAILURES`; ``datasets``' own free-space check counts as ``ENOSPC``)."""
     code = error.errno if error.errno in WRITE_FAILURES else errno.ENOSPC
     reason, advice = WRITE_FAILURES[code]
-    return ValueError(f"--data.cache_dir {str(cache_dir)!r}: writing the {what} into {str(folder)!r} failed: {reason} "
-                      f"({errno.errorcode[code]}): {advice}")
+    return f"{reason} ({errno.errorcode[code]})", advice
+
+
+def cache_write_error(cache_dir: Path, folder: Path, what: str, error: OSError) -> ValueError:
+    """The one-line refusal of a cache write that failed with ``error`` (:func:`write_failure_reason`)."""
+    reason, advice = write_failure_reason(error)
+    return ValueError(f"--data.cache_dir {str(cache_dir)!r}: writing the {what} into {str(folder)!r} failed: {reason}: "
+                      f"{advice}")
 
 
 def check_free_space(cache_dir: Path, folder: Path, what: str, needed: int) -> None:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import errno
 import json
 import os
 import sys
@@ -66,7 +65,7 @@ from pathlib import Path
 from typing import BinaryIO, Optional, Union
 
 from lightning_mtp.data.atomic import atomic_write
-from lightning_mtp.data.cache_dir import WRITE_FAILURES, cache_write_failure
+from lightning_mtp.data.cache_dir import cache_write_failure, write_failure_reason
 from lightning_mtp.data.corpus import stdlib_root
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -408,9 +407,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failure = cache_write_failure(error)
         if failure is None:
             raise
-        code = failure.errno if failure.errno in WRITE_FAILURES else errno.ENOSPC  # (datasets' own check: ENOSPC)
-        print(f"error: --out {str(args.out)!r}: writing the chat records failed: {WRITE_FAILURES[code][0]} "
-              f"({errno.errorcode[code]}): free space there, or write them to another disk (--out)", file=sys.stderr)
+        print(f"error: --out {str(args.out)!r}: writing the chat records failed: {write_failure_reason(failure)[0]}: "
+              "free space there, or write them to another disk (--out)", file=sys.stderr)
         return 2
     print(f"wrote {count} records from {files} files to {args.out}")
     return 0

@@ -185,12 +185,17 @@ class AutoPolicy:
     def rate(self, option: Optional[TreeShape]) -> float:
         """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
         the time until its last row ends: the row with the most steps left, remaining / expected tokens, decides."""
-        expected = self._expected(option, self.rows)
         share = self.last_row_share(option) if self.batch_size > 1 else 1.0
         if not self.remaining or not self.switches.rows:
+            expected = self._expected(option, self.rows)
             return (sum(expected.values()) if expected else 1.0) * share / self.seconds(option)
-        steps_left = max(self.remaining[row] / expected[row] for row in self.remaining)
-        return sum(self.remaining.values()) * share / (steps_left * self.seconds(option))
+        return sum(self.remaining.values()) * share / (self.steps_left(option) * self.seconds(option))
+
+    def steps_left(self, option: Optional[TreeShape]) -> float:
+        """Steps of ``option`` until the call ends: the most, over the rows whose budgets are known, of a row's
+        remaining tokens over its expected tokens per step."""
+        expected = self._expected(option, self.remaining)
+        return max(self.remaining[row] / expected[row] for row in self.remaining)
 
     def last_row_share(self, option: Optional[TreeShape]) -> float:
         """Realized over rated progress of a batch's last row in earlier drafting steps (1 for plain steps)."""
@@ -199,10 +204,7 @@ class AutoPolicy:
 
     def rated_progress(self, option: Optional[TreeShape]) -> float:
         """The tokens a step of ``option`` is rated to bring the row with the most tokens left."""
-        if not self.remaining:
-            return 0.0
-        expected = self._expected(option, self.remaining)
-        return max(self.remaining.values()) / max(self.remaining[row] / expected[row] for row in self.remaining)
+        return max(self.remaining.values()) / self.steps_left(option) if self.remaining else 0.0
 
     def best(self) -> Optional[TreeShape]:
         """The option of the highest :meth:`rate` (``None``: a plain step)."""
