@@ -46,13 +46,13 @@ from lightning_mtp import cli_checkpoint as ckpt_rules
 from lightning_mtp import cli_errors, cli_export
 from lightning_mtp.callbacks import SafeCheckpoint, folder_lock
 from lightning_mtp.callbacks.safe_checkpoint import restore_interrupted_swap
-from lightning_mtp.checkpointing import (
-    TOKENIZER_KEY,
+from lightning_mtp.checkpoint_files import (
     convert_command,
     is_deepspeed_folder,
     read_checkpoint,
     refuse_deepspeed_folder,
 )
+from lightning_mtp.checkpointing import TOKENIZER_KEY
 from lightning_mtp.cli_configs import bundled_configs, resolve_config_args, with_checkpoint_config
 from lightning_mtp.cli_errors import ShortErrorParser, fail, peer_failed, user_error
 from lightning_mtp.cli_help import document_fields, print_nested_help

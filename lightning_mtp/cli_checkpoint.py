@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
-from lightning_mtp.checkpointing import HEADS_ONLY_KEY
+from lightning_mtp.checkpoint_files import HEADS_ONLY_KEY
 
 SECTIONS = ("model", "data", "trainer")
 

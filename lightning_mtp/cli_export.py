@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_mtp.checkpointing import read_checkpoint, refuse_deepspeed_folder
+from lightning_mtp.checkpoint_files import read_checkpoint, refuse_deepspeed_folder
 from lightning_mtp.cli_checkpoint import checkpoint_model_class, without_missing_folder
 from lightning_mtp.data.tokenizer_choice import save_for_transformers
 from lightning_mtp.finite import check_finite_state_dict

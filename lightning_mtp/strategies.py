@@ -189,7 +189,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
         - a fit resumes only from a DeepSpeed folder written with a compatible ZeRO stage on as many processes (the
           optimizer shards are split per rank): anything else is refused with one line before a shard is opened
-          (:func:`~lightning_mtp.checkpointing.refuse_deepspeed_layout`); a single file is refused too (it holds no
+          (:func:`~lightning_mtp.checkpoint_files.refuse_deepspeed_layout`); a single file is refused too (it holds no
           optimizer state: start a new fit from it with ``init_from``), unless ``load_full_weights`` asks for it;
         - ``predict``/``validate``/``test`` from a ZeRO-3 folder (or under ZeRO-3): DeepSpeed 0.19's engine cannot
           load one without an optimizer, so the shards are read into one fp32 state dict with DeepSpeed's own
@@ -201,7 +201,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         """
         from lightning.pytorch.trainer.states import TrainerFn
 
-        from lightning_mtp.checkpointing import is_deepspeed_folder, read_checkpoint, refuse_deepspeed_layout
+        from lightning_mtp.checkpoint_files import is_deepspeed_folder, read_checkpoint, refuse_deepspeed_layout
 
         module = self.lightning_module
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING

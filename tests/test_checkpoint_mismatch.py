@@ -13,7 +13,8 @@ pytest.importorskip("transformers", reason="HFCausalLM needs the optional transf
 from conftest import cli_refusal, save_checkpoint, tiny_model  # noqa: E402
 
 from lightning_mtp import MTPConfig  # noqa: E402
-from lightning_mtp.checkpointing import load_weights, read_checkpoint  # noqa: E402
+from lightning_mtp.checkpoint_files import read_checkpoint  # noqa: E402
+from lightning_mtp.checkpointing import load_weights  # noqa: E402
 from lightning_mtp.models import CausalLM, HFCausalLM, ModelConfig  # noqa: E402
 from lightning_mtp.native.export import check_exportable  # noqa: E402
 

@@ -116,7 +116,7 @@ def test_init_from_starts_from_its_own_schedule_not_the_old_runs(tmp_path):
 
 
 def test_unreadable_checkpoints_name_the_path_and_flag(tmp_path):
-    from lightning_mtp.checkpointing import read_checkpoint
+    from lightning_mtp.checkpoint_files import read_checkpoint
 
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, cli_refusal, tiny_fit_args
 
-from lightning_mtp.checkpointing import read_checkpoint
+from lightning_mtp.checkpoint_files import read_checkpoint
 
 pytest.importorskip("deepspeed")
 
@@ -81,7 +81,7 @@ def test_predict_without_deepspeed_is_told_how_to_convert_and_the_converted_file
                                                                                          capsys):
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-    from lightning_mtp.checkpointing import refuse_deepspeed_folder
+    from lightning_mtp.checkpoint_files import refuse_deepspeed_folder
 
     with pytest.raises(ValueError, match=r"DeepSpeed checkpoint folder.*convert_zero_checkpoint_to_fp32_state_dict"):
         refuse_deepspeed_folder(zero3_folder, "--ckpt_path", "predict")

@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, cli_refusal, save_checkpoint, tiny_predict_args
 from test_deepspeed_checkpoint_read import zero3_fit_args
 
-from lightning_mtp.checkpointing import read_checkpoint, refuse_deepspeed_layout
+from lightning_mtp.checkpoint_files import read_checkpoint, refuse_deepspeed_layout
 
 pytest.importorskip("deepspeed")
 

@@ -300,7 +300,7 @@ def test_the_trunk_blocks_of_a_module_of_ones_own_are_found():
 
 def test_a_sharded_fsdp2_checkpoint_folder_reads_as_its_metadata(tmp_path):
     """``save_distributed_checkpoint=True`` writes shards and ``meta.pt``: the CLI reads the settings from it."""
-    from lightning_mtp.checkpointing import read_checkpoint
+    from lightning_mtp.checkpoint_files import read_checkpoint
 
     folder = tmp_path / "last.ckpt"
     folder.mkdir()

@@ -56,7 +56,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_mtp import checkpointing
+from lightning_mtp import checkpoint_files, checkpointing
 from lightning_mtp.config import MTPConfig, settings_from
 from lightning_mtp.decoding.config import GenerationConfig
 from lightning_mtp.fsdp import transformers_decoder_layers
@@ -82,7 +82,7 @@ from lightning_mtp.optim import adamw_warmup_cosine, check_optimizer_args, estim
 from lightning_mtp.sharded import is_dtensor
 
 TRUNK_PREFIX = "trunk."
-HEADS_ONLY_KEY = checkpointing.HEADS_ONLY_KEY
+HEADS_ONLY_KEY = checkpoint_files.HEADS_ONLY_KEY
 
 class HFCausalLM(MTPMixin, L.LightningModule):
     """A ``transformers`` causal LM trained with next-token + MTP loss, decoded self-speculatively.
@@ -370,7 +370,7 @@ class HFCausalLM(MTPMixin, L.LightningModule):
 
     def load_mtp_heads(self, path: str) -> checkpointing.LoadReport:
         """Load MTP weights from a heads-only (or full) checkpoint; the trunk's weights are left as they are."""
-        checkpoint = checkpointing.read_checkpoint(path, "--model.init_args.mtp_heads")
+        checkpoint = checkpoint_files.read_checkpoint(path, "--model.init_args.mtp_heads")
         if "state_dict" not in checkpoint:  # a DeepSpeed or sharded FSDP2 folder: its weights are not in one file
             raise ValueError(f"--model.init_args.mtp_heads {path!r} holds no weights in one file: give a checkpoint "
                              "file (a DeepSpeed folder converts with the command in docs/distributed.md)")
