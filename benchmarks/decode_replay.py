@@ -84,15 +84,22 @@ class Replay:
             if not first and math.isfinite(seconds):
                 self.measured.setdefault(drafts, []).append(seconds)
             return seconds
-        cost = self.costs[drafts] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
-        self.seconds += cost
+        cost = self._charge(drafts)
         return cost * math.exp(self.rng.gauss(0.0, self.noise)) if math.isfinite(seconds) else seconds
 
     def retired(self) -> None:
         """A call decoded by the plain loop from its start: its plain steps."""
         self.steps["retired"] += self.max_new_tokens - 1
-        for _ in range(self.max_new_tokens - 1 if self.costs is not None else 0):
-            self.seconds += self.costs[0] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
+        if self.costs is not None:
+            for _ in range(self.max_new_tokens - 1):
+                self._charge(0)
+
+    def _charge(self, drafts: int) -> float:
+        """The modeled cost of a step of ``drafts`` (``spell[1]`` times dearer while the row's time is within the
+        slow spell), added to the row's ``seconds``."""
+        cost = self.costs[drafts] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
+        self.seconds += cost
+        return cost
 
 
 @contextlib.contextmanager
