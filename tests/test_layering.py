@@ -5,7 +5,7 @@ except those under ``if TYPE_CHECKING:``), so a lazy import inside a method coun
 first (a module may import its own layer and the ones below):
 
     config, layers, kernels, zero, zero_settings, fsdp, fsdp_settings, sharded, data, metrics, checkpointing,
-    finite
+    checkpoint_files, finite
     → heads → loss, outputs, head calls, distillation (a loss term)
     → decoding (pure functions over a host; it never imports the mixin), the prediction writer
     → mixin (its ``generate``/``predict_step`` call down into decoding)
@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mtp"
 LAYERS = [
     ("lightning_mtp.config", "lightning_mtp.small_matmul", "lightning_mtp.layers", "lightning_mtp.kernels",
      "lightning_mtp.zero", "lightning_mtp.data", "lightning_mtp.metrics", "lightning_mtp.checkpointing",
+     "lightning_mtp.checkpoint_files",
      "lightning_mtp.flops", "lightning_mtp.finite", "lightning_mtp.zero_settings", "lightning_mtp.sharded",
      "lightning_mtp.fsdp", "lightning_mtp.fsdp_settings"),
     ("lightning_mtp.heads", "lightning_mtp.native"),
