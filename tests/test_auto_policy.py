@@ -376,3 +376,33 @@ def test_autos_plain_steps_dispatch_what_the_plain_loops_do_and_the_drafters_fee
     plain, auto = per_step(False), per_step("auto")
     assert plain > 20  # the trunk's forward and the token's emission
     assert auto - plain <= 6, f"an auto plain step dispatched {auto - plain:.1f} operations more than a plain one"
+
+
+def test_one_row_needs_no_per_row_summary(models):
+    """Alone, a row's acceptance is the shared estimate and its budget ends the call: the decoding loop reads each
+    row's accepted drafts and budget only in a batch of several rows (one step's host sync stays small), and a
+    one-row policy told them chooses exactly as one not told."""
+    from lightning_mtp.decoding.host import decoding_host
+    from lightning_mtp.decoding.tree_policy import draft_plan
+
+    model = models["cascaded"]
+    for batch, per_row in ((1, False), (2, True)):
+        _, steps = draft_plan(model, decoding_host(model), GenerationConfig(max_new_tokens=8), batch,
+                              torch.device("cpu"), False)
+        assert steps.per_row is per_row
+    machine = Machine(per_draft=0.3, accept=0.7, seed=3)
+    told, untold = policy_for(), policy_for()
+    left, choices = 1000, Counter()  # tokens the row may still emit (150 steps emit at most 750)
+    for _ in range(150):
+        option = told.next()
+        assert untold.next() == option
+        choices[option and option.describe()] += 1
+        seconds = machine.seconds(option)
+        accepted = 0
+        while option is not None and accepted < option.depth and machine.rng.random() < 0.7:
+            accepted += 1
+        left -= accepted + 1
+        reached = [1] * accepted + [0] * ((option.depth if option else 0) - accepted)
+        told.observe(option, 1, reached, seconds, rows=[accepted], remaining=[left])
+        untold.observe(option, 1, reached, seconds)
+    assert len(choices) >= 3, choices  # measured options and the chosen ones

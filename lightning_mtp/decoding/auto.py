@@ -10,15 +10,12 @@ and a named tree or longer chain) by expected tokens over predicted seconds and 
   what it was rated at in earlier drafting steps (:meth:`AutoPolicy.last_row_share`).
 
 **Measuring.** An option is taken in place of the best until it has
-:data:`~lightning_mtp.decoding.step_cost.MIN_SAMPLES` timed steps; after that the options not chosen are measured in
-turn while the time spent so stays within :data:`EXPLORE_SHARE` of the time decoded. No separate guard compares
-measured drafting with measured plain rates: each option is already rated at its own measured step time, acceptance
-and (in a batch) its last row's realized progress, so it would compare what the rating compares.
-
-**Memory** is kept per module, host, batch size, device and mode. A call rated plain at its start with nothing to
-measure is **retired** (:attr:`AutoPolicy.retired`): the loop runs its plain loop, without the drafter. A call with a
-seed (or generator) decides without timings (the prior cost model and the call's acceptance), so a seed gives the
-same samples anywhere. Every option is lossless. Measurements: docs/decoding.md.
+:data:`~lightning_mtp.decoding.step_cost.MIN_SAMPLES` timed steps; then the options not chosen are measured in turn
+while that time stays within :data:`EXPLORE_SHARE` of the time decoded. (No guard compares measured drafting with
+plain rates: the rating already does.) **Memory** is kept per module, host, batch size, device and mode. A call rated
+plain at its start with nothing to measure is **retired** (:attr:`AutoPolicy.retired`): the loop runs its plain
+loop, without the drafter. A call with a seed (or generator) decides without timings (the prior cost model and the
+call's acceptance), so a seed gives the same samples anywhere. Every option is lossless. See docs/decoding.md.
 
 Example::
 
@@ -64,7 +61,6 @@ class AutoMemory:
 
     cost: StepCost
     acceptance: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # (depth, kind) -> [accepted, tried]
-    # (chains share a kind; a named tree has its own: its depths accept more often than a chain's)
     decoded: float = 0.0  # plain steps' worth (predicted) of every step taken: EXPLORE_SHARE
     measuring: float = 0.0  # ... of the steps taken to measure an option not chosen, once each was measured
     turn: int = 0  # the option to measure next, in turn
@@ -107,8 +103,10 @@ NOTHING = object()
 """:meth:`AutoPolicy.to_measure`'s answer when no option is to be measured (``None`` is a plain step)."""
 
 
-def _kind(option: TreeShape) -> str:  # a key of AutoMemory.acceptance
-    return "chain" if option.is_chain else option.describe()
+def _depth_kind(option: Optional[TreeShape]) -> tuple[int, str]:
+    """(depth, kind) of ``option``; kinds key AutoMemory.acceptance: "chain", or a named tree's own (its depths accept
+    more often than a chain's)."""
+    return (0, "chain") if option is None else (option.depth, "chain" if option.is_chain else option.describe())
 
 
 class AutoPolicy:
@@ -118,8 +116,8 @@ class AutoPolicy:
                  timings: bool = True, max_new_tokens: Optional[int] = None) -> None:
         self.memory, self.options, self.batch_size, self.timings = memory, options, batch_size, timings
         self.switches = SWITCHES
-        self._estimates: dict[tuple[int, str], float] = {}
-        self._tokens: dict[tuple[Optional[int], str], list[float]] = {}
+        # until the next observation: acceptance by (depth, kind), tokens by (row, kind), seconds, steps left by kind
+        self._estimates, self._tokens, self._seconds, self._steps = {}, {}, {}, {}
         self.deepest = max(o.depth for o in options if o is not None)
         self.steps = 0
         self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
@@ -143,8 +141,7 @@ class AutoPolicy:
 
     # ----------------------------------------------------------------- estimates
     def acceptance(self, depth: int, kind: str = "chain") -> float:
-        """P(``depth`` of a ``kind`` draft is accepted | the depth above was): counts over a prior (memoised until
-        the next observation)."""
+        """P(``depth`` of a ``kind`` draft is accepted | the depth above was): counts over a prior (memoised)."""
         key = (depth, kind)
         value = self._estimates.get(key)
         if value is None:
@@ -157,45 +154,50 @@ class AutoPolicy:
         """Expected tokens a step emits for ``row`` (bonus token counted): in a batch, the row's counts in this call
         over the shared estimate (:meth:`acceptance`) worth :data:`ROW_TRIES` tries; alone, the shared estimate
         (it is the row's)."""
-        return self._expected(option, [row])[row]
+        depth, kind = _depth_kind(option)
+        return self._row_tokens(row, kind)[depth]
 
-    def _expected(self, option: Optional[TreeShape], rows: Any) -> dict[Optional[int], float]:
-        """:meth:`expected_tokens` of ``option`` for each of ``rows`` (each row's tokens after 0..deepest depths
-        memoised until the next observation: a step rates every option for every row)."""
-        depth, kind = (0, "chain") if option is None else (option.depth, _kind(option))
-        expected = {}
-        for row in rows:
-            tokens = self._tokens.get((row, kind))
-            if tokens is None:
-                tokens, reach = [1.0], 1.0
-                counts = self.rows.get(row, {}) if self.batch_size > 1 else {}
-                for level in range(1, self.deepest + 1):
-                    hits, tried = counts.get(level, (0.0, 0.0))
-                    reach *= (hits + ROW_TRIES * self.acceptance(level, kind)) / (tried + ROW_TRIES)
-                    tokens.append(tokens[-1] + reach)
-                self._tokens[(row, kind)] = tokens
-            expected[row] = tokens[depth]
-        return expected
+    def _row_tokens(self, row: Optional[int], kind: str) -> list[float]:
+        """``row``'s expected tokens after 0..deepest depths of a ``kind`` draft (memoised: every option reads it)."""
+        tokens = self._tokens.get((row, kind))
+        if tokens is None:
+            tokens, reach = [1.0], 1.0
+            counts = self.rows.get(row, {}) if self.batch_size > 1 else {}
+            for level in range(1, self.deepest + 1):
+                hits, tried = counts.get(level, (0.0, 0.0))
+                reach *= (hits + ROW_TRIES * self.acceptance(level, kind)) / (tried + ROW_TRIES)
+                tokens.append(tokens[-1] + reach)
+            self._tokens[(row, kind)] = tokens
+        return tokens
 
     def seconds(self, option: Optional[TreeShape]) -> float:
-        """Predicted seconds of a step of ``option`` (in plain steps until plain steps are timed)."""
-        tokens, drafts = (1, 0) if option is None else (option.num_nodes + 1, option.depth)
-        return self.memory.cost.seconds(max(len(self.rows), 1), tokens, drafts)
+        """Predicted seconds of a step of ``option`` (in plain steps until plain steps are timed; memoised)."""
+        value = self._seconds.get(option)
+        if value is None:
+            tokens, drafts = (1, 0) if option is None else (option.num_nodes + 1, option.depth)
+            value = self._seconds[option] = self.memory.cost.seconds(max(len(self.rows), 1), tokens, drafts)
+        return value
 
     def rate(self, option: Optional[TreeShape]) -> float:
         """Expected tokens per second of a step of ``option``. Once the rows' budgets are known, a call's tokens over
         the time until its last row ends: the row with the most steps left, remaining / expected tokens, decides."""
         share = self.last_row_share(option) if self.batch_size > 1 else 1.0
         if not self.remaining or not self.switches.rows:
-            expected = self._expected(option, self.rows)
-            return (sum(expected.values()) if expected else 1.0) * share / self.seconds(option)
+            depth, kind = _depth_kind(option)
+            tokens = sum(self._row_tokens(row, kind)[depth] for row in self.rows) if self.rows else 1.0
+            return tokens * share / self.seconds(option)
         return sum(self.remaining.values()) * share / (self.steps_left(option) * self.seconds(option))
 
     def steps_left(self, option: Optional[TreeShape]) -> float:
         """Steps of ``option`` until the call ends: the most, over the rows whose budgets are known, of a row's
         remaining tokens over its expected tokens per step."""
-        expected = self._expected(option, self.remaining)
-        return max(self.remaining[row] / expected[row] for row in self.remaining)
+        depth, kind = _depth_kind(option)
+        steps = self._steps.get(kind)  # by depth (memoised until the next observation)
+        if steps is None:
+            rows = [(left, self._row_tokens(row, kind)) for row, left in self.remaining.items()]
+            steps = self._steps[kind] = [max(left / tokens[level] for left, tokens in rows)
+                                         for level in range(self.deepest + 1)]
+        return steps[depth]
 
     def last_row_share(self, option: Optional[TreeShape]) -> float:
         """Realized over rated progress of a batch's last row in earlier drafting steps (1 for plain steps)."""
@@ -257,11 +259,11 @@ class AutoPolicy:
         ``None``: every row took part and none has finished) and the tokens each may still emit."""
         if active_rows <= 0:
             return
-        self._estimates, self._tokens = {}, {}
-        tried = active_rows
+        self._estimates, self._tokens, self._steps, self._seconds = {}, {}, {}, {}
+        tried, kind = active_rows, _depth_kind(option)[1]
         for depth, hits in enumerate(reached, start=1):  # only what is tried is forgotten: an option left alone
-            _count(self.memory.acceptance.setdefault((depth, _kind(option)), [0.0, 0.0]), hits, tried)  # keeps its
-            call = self.memory.this_call.setdefault((depth, _kind(option)), [0.0, 0.0])  # evidence
+            _count(self.memory.acceptance.setdefault((depth, kind), [0.0, 0.0]), hits, tried)  # keeps its evidence
+            call = self.memory.this_call.setdefault((depth, kind), [0.0, 0.0])
             call[0], call[1], tried = call[0] + hits, call[1] + tried, hits
         longest = max(self.remaining.values(), default=None)  # the most tokens a row had left (once reported)
         for row, accepted in enumerate(rows or []):
@@ -289,6 +291,7 @@ class AutoPolicy:
             tokens = 1 if option is None else option.num_nodes + 1
             self.memory.cost.observe(active_rows, tokens, 0 if option is None else option.depth, seconds,
                                      track_speed=self.switches.speed)
+            self._seconds = {}
 
 
 def _count(counts: list[float], hits: float, tried: float) -> None:

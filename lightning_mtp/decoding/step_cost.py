@@ -96,7 +96,8 @@ class StepCost:
         self.timed = 0
         self.ratios: deque = deque(maxlen=SPEED_WINDOW)  # measured over predicted seconds of the last steps
         self.speed = 1.0  # the machine's speed: median of ratios (1 until kinds are measured)
-        self._medians: tuple[float, dict[int, float]] = (1.0, {})  # _fit: a plain step, each depth's cost over it
+        self._medians: Optional[tuple[float, dict[int, float]]] = None  # _learned() until the next step
+        self._points: dict[int, float] = {}  # depth -> its cost (_point), until its steps or the plain median change
         self._fitted: Optional[tuple[float, float, float, float]] = None  # parameters() until the next step
 
     def observe(self, rows: int, tokens: int, drafts: int, seconds: float, track_speed: bool = True) -> None:
@@ -104,8 +105,7 @@ class StepCost:
         (``track_speed=False``: learned as measured, the machine's drift ignored)."""
         if not self.learn or rows <= 0 or not seconds > 0:
             return
-        self.parameters()  # refreshes self._medians (memoised with the parameters until the next observation)
-        plain, points = self._medians  # the speed now: the last steps of any kinds, each over its own kind's median
+        plain, points = self._learned()  # the speed now: the last steps of any kinds, each over its own kind's median
         if track_speed and self.plain_timed and (drafts == 0 or drafts in points):
             extra = TOKEN_SHARE * plain * rows * (tokens - 1 - drafts)
             self.ratios.append(seconds / (plain + points.get(drafts, 0.0) + extra))
@@ -113,11 +113,13 @@ class StepCost:
         seconds /= self.speed
         if drafts == 0:
             self.plain_steps.append(seconds)
+            self._points.clear()
         else:
             steps = self.drafting_steps.setdefault(drafts, deque(maxlen=WINDOW))
             steps.append((seconds, rows * (tokens - 1 - drafts)))
+            self._points.pop(drafts, None)
         self.timed += 1
-        self._fitted = None
+        self._medians = self._fitted = None
 
     def measured(self, drafts: int) -> bool:
         """Whether steps of ``drafts`` drafting calls are timed often enough for their median to count."""
@@ -132,29 +134,45 @@ class StepCost:
         """(plain, overhead, per_depth, per_node): in seconds at the machine's speed now once :data:`MIN_SAMPLES`
         plain steps are timed, else in plain steps (the prior)."""
         if self._fitted is None:
-            self._fitted = self._fit()
+            plain, points = self._learned()
+            per_node = TOKEN_SHARE * plain
+            overhead, per_depth = _line(sorted(points.items())) if points else (
+                0.0, (self.draft_share + TOKEN_SHARE) * plain)
+            speed = self.speed  # at the speed now
+            self._fitted = speed * plain, speed * overhead, speed * per_depth, speed * per_node
         return self._fitted
 
-    def _fit(self) -> tuple[float, float, float, float]:
-        timed = self.plain_timed
-        plain = median(self.plain_steps) if timed else 1.0
-        per_node = TOKEN_SHARE * plain
-        points = {depth: median(s - plain - per_node * extra for s, extra in steps)
-                  for depth, steps in sorted(self.drafting_steps.items()) if len(steps) >= MIN_SAMPLES} if timed else {}
-        self._medians = plain, points
-        overhead, per_depth = _line(list(points.items())) if points else (0.0, (self.draft_share + TOKEN_SHARE) * plain)
-        return tuple(self.speed * value for value in (plain, overhead, per_depth, per_node))  # at the speed now
+    def _learned(self) -> tuple[float, dict[int, float]]:
+        """(a plain step, each timed depth's cost over it), in plain steps until plain steps are timed (memoised)."""
+        if self._medians is None:
+            timed = self.plain_timed
+            plain = median(self.plain_steps) if timed else 1.0
+            self._medians = plain, {depth: self._point(depth, plain) for depth, steps in self.drafting_steps.items()
+                                    if timed and len(steps) >= MIN_SAMPLES}
+        return self._medians
+
+    def _point(self, depth: int, plain: float) -> float:
+        """Depth ``depth``'s point (above), recomputed only when its steps or the plain median changed."""
+        if depth not in self._points:
+            per_node = TOKEN_SHARE * plain
+            self._points[depth] = median(s - plain - per_node * extra for s, extra in self.drafting_steps[depth])
+        return self._points[depth]
 
     def seconds(self, rows: int, tokens: int, drafts: int) -> float:
         """A step's predicted cost: a depth timed :data:`MIN_SAMPLES` times at its own median, others on the line;
         never below a tenth of a plain step, so noise cannot price a step at nothing."""
-        plain, overhead, per_depth, per_node = self.parameters()
+        plain, points = self._learned()
+        speed = self.speed
         drafting = 0.0
         if drafts:
-            own = self._medians[1].get(drafts)
-            drafting = (self.speed * own if own is not None else overhead + per_depth * drafts) + (
-                per_node * rows * (tokens - 1 - drafts))
-        return max(plain + drafting, 0.1 * plain)
+            own = points.get(drafts)
+            if own is not None:
+                drafting = speed * own
+            else:  # a depth not timed: on the line
+                _, overhead, per_depth, _ = self.parameters()
+                drafting = overhead + per_depth * drafts
+            drafting += speed * (TOKEN_SHARE * plain) * rows * (tokens - 1 - drafts)  # per_node · extra node-rows
+        return max(speed * plain + drafting, 0.1 * (speed * plain))
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -47,15 +47,13 @@ class AutoSteps:
         self.policy, self.tree_mode = policy, tree_mode
         self.max_nodes = max(o.num_nodes for o in policy.options if o is not None) + 1 if tree_mode else 0
         self.retired = policy.retired  # the call decodes plainly from its first step (no drafter is set up)
+        self.per_row = policy.batch_size > 1  # the loop reports each row's accepted drafts and budget (one row's: none)
 
     def next(self) -> Any:
         option = self.policy.next()
         if self.tree_mode:
             return option
         return 0 if option is None else option.depth  # the chain drafter takes a draft count
-
-    per_row = True
-    """The decoding loop reports each row's accepted drafts and remaining budget."""
 
     def observe_step(self, option: Any, reached: list, active_rows: int, seconds: float, **rows: list) -> None:
         """``reached``: per depth, the rows whose accepted path reached it (zeros beyond the step's draft); ``rows``:
