@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_decoding import (  # noqa: E402
+    render_auto_overhead,
     render_decode,
     render_decode_ablation,
     render_decode_replay,
@@ -342,6 +343,7 @@ REGISTRY: dict[str, Entry] = {
     "decode_ablation.json": Entry("What each mechanism of auto is worth", render_decode_ablation),
     "decode_replay.json": Entry("What each mechanism of auto is worth, without timing noise", render_decode_replay),
     "replay_draws.json": Entry("auto on fixed step costs", render_replay_draws),
+    "auto_overhead.json": Entry("What auto's own work costs a call", render_auto_overhead),
     "decode_roofline.json": Entry("Speculative decoding on GPUs, predicted", render_decode_roofline),
     "kernels.json": Entry("Kernels against their torch twins", render_kernels),
     "gpu_check.json": Entry("The GPU check on a lent GPU", render_gpu_check),

@@ -1,6 +1,6 @@
 """The decoding sections of ``docs/results.md``: ``decode.py`` (the benchmark and quickstart models),
-``hf_compare.py``, ``hf_mtp_compare.py``, ``decode_ablation.py``, ``decode_replay.py`` and ``decode_roofline.py`` (see
-``benchmarks/report.py``)."""
+``hf_compare.py``, ``hf_mtp_compare.py``, ``decode_ablation.py``, ``decode_replay.py``, ``auto_overhead.py`` and
+``decode_roofline.py`` (see ``benchmarks/report.py``)."""
 
 from __future__ import annotations
 
@@ -370,6 +370,25 @@ def render_replay_draws(source: Source) -> list[str]:
     out += table(["draw", "model", "batch", *runs], [[draw, model, str(batch), *(cell(cells[label].get(
         (draw, model, batch))) for label in runs)] for draw, model, batch in keys])
     return out
+
+
+# ----------------------------------------------------------------------------------------------- auto_overhead.py
+def render_auto_overhead(source: Source) -> list[str]:
+    runs = source.data["runs"]
+    out = [
+        "What `speculative=\"auto\"`'s own work costs a call (`benchmarks/auto_overhead.py`), against the fixed "
+        "chain it would choose, call by call interleaved: **bare** is its loop with a policy that always answers that "
+        "chain and learns nothing; **policy** its policy rating, learning and measuring as usual but drafting that "
+        "chain; **auto** as it is. Each cell: the median over calls of the call's time over the fixed chain's "
+        "(1.03×: 3% slower). **Policy**: its Python per step (`next` and `observe_step`), of a whole step.", "",
+        *(f"- **{label}:** code {run.get('code', 'unrecorded')}, {machine_text(run.get('machine'))}"
+          for label, run in runs.items()),
+        f"- **Data:** {result_link(source.name)}", "",
+    ]
+    rows = [[label, r["model"], str(r["batch_size"]), f"k={r['chain']}", *(f"{num(r[key], 3)}×" for key in (
+        "bare", "policy", "auto")), f"{r['policy_us_per_step']:.0f} µs of {num(r['step_ms'])} ms"]
+            for label, run in runs.items() for r in run["rows"]]
+    return out + table(["code", "model", "batch", "fixed chain", "bare", "policy", "auto", "policy per step"], rows)
 
 
 # ----------------------------------------------------------------------------------------------- decode_roofline.py

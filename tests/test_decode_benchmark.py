@@ -256,3 +256,43 @@ def test_the_replay_scenarios_change_the_machine_after_auto_learned(tiny_checkpo
     assert rows["plain"]["seconds"] == pytest.approx(14 * plain_step) and "auto without speed" not in rows
     assert rows["chain k=1"]["seconds"] == pytest.approx(
         rows["chain k=1"]["steps"]["1"] * measured["step_costs"]["tiny"]["1"]["relative"]["1"] * plain_step)
+
+
+def test_the_overhead_benchmark_times_autos_loop_and_policy_beside_other_code(tiny_checkpoint, tmp_path):
+    """``benchmarks/auto_overhead.py``: each decoder's call time over the fixed chain's and the policy's time per
+    step; its ``bare`` and ``policy`` decoders draft the fixed chain at every step; a second run goes beside the first,
+    a rerun of a model and batch size replaces its row, and the loop is unpatched after."""
+    import torch
+
+    from lightning_mtp.decoding.tree import TreeShape
+    from lightning_mtp.decoding.tree_policy import AutoSteps
+
+    overhead = load_benchmark("auto_overhead")
+    _, ckpt = tiny_checkpoint
+    out = tmp_path / "overhead.json"
+    unpatched = AutoPolicy.next, AutoPolicy.observe, AutoSteps.next, AutoSteps.observe_step
+    args = ["--ckpt", str(ckpt), "--label", "tiny", "--prompts", "2", "--max-new-tokens", "8", "--repeats", "1",
+            "--chain", "2", "--out", str(out)]
+    overhead.main(args + ["--run", "new"])
+    overhead.main(args + ["--run", "old"])
+    overhead.main(args + ["--run", "new"])
+    result = overhead.main(args + ["--run", "new", "--batch-size", "2"])
+    assert (AutoPolicy.next, AutoPolicy.observe, AutoSteps.next, AutoSteps.observe_step) == unpatched
+    assert set(result["runs"]) == {"new", "old"} and len(result["runs"]["old"]["rows"]) == 1
+    rows = {r["batch_size"]: r for r in result["runs"]["new"]["rows"]}
+    assert sorted(rows) == [1, 2] and [rows[1]["calls"], rows[2]["calls"]] == [2, 1]
+    for row in rows.values():
+        assert all(row[key] > 0 for key in ("bare", "policy", "auto", "step_ms")), row
+        assert 0 <= row["policy_us_per_step"] < 1e3 * row["step_ms"], row
+
+    model, datamodule = overhead.load(ckpt, overhead.ROOT / "benchmarks" / "decode_model.yaml")
+    prompt = overhead.chunks(overhead.held_out_prompts(datamodule, 1, 16), 1)[0]
+    for name in ("bare", "policy"):
+        AutoPolicy.next, AutoPolicy.observe = overhead.policies(TreeShape.chain(2))[name]
+        try:
+            with torch.no_grad():
+                stats = overhead.run_chunk(model.eval(), prompt, 8, None, speculative="auto")[1]
+        finally:
+            AutoPolicy.next, AutoPolicy.observe = unpatched[:2]
+        drafted = stats.drafted_per_depth  # chains of up to 3 on offer; every step drafted 2
+        assert drafted[0] == drafted[1] > 0 and drafted[2] == 0, (name, drafted)
