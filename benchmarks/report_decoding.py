@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from report_format import (
     Source,
@@ -346,6 +346,13 @@ def render_decode_replay(source: Source) -> list[str]:
     return out
 
 
+def run_lines(source: Source, describe: Callable[[dict], str]) -> list[str]:
+    """A line per run of a JSON that holds several (``{"runs": {label: run}}``; ``describe``: what follows the
+    label), then the link to the data."""
+    return [*(f"- **{label}:** {describe(run)}" for label, run in source.data["runs"].items()),
+            f"- **Data:** {result_link(source.name)}", ""]
+
+
 # ----------------------------------------------------------------------------------------------- replay_draws.sh
 def render_replay_draws(source: Source) -> list[str]:
     runs = source.data["runs"]
@@ -355,9 +362,8 @@ def render_replay_draws(source: Source) -> list[str]:
         "steps), on three models at batch 1 and 8. Each cell: `auto` over plain decoding / over the best fixed "
         "chain, on modeled times (deterministic: the same on a busy machine); `*` below the targets (0.97× plain, "
         "0.95× the best fixed chain).", "",
-        *(f"- **{label}:** command {command_text(run.get('command'))}, code {run.get('commit') or 'unrecorded'}"
-          for label, run in runs.items()),
-        f"- **Data:** {result_link(source.name)}", "",
+        *run_lines(source, lambda run: f"command {command_text(run.get('command'))}, code "
+                                       f"{run.get('commit') or 'unrecorded'}"),
     ]
     keys = [(r["draw"], r["model"], r["batch_size"]) for r in next(iter(runs.values()))["rows"]]
     cells = {label: {(r["draw"], r["model"], r["batch_size"]): r for r in run["rows"]} for label, run in runs.items()}
@@ -373,22 +379,21 @@ def render_replay_draws(source: Source) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- auto_overhead.py
+AUTO_OVERHEAD = (
+    "What `speculative=\"auto\"`'s own work costs a call (`benchmarks/auto_overhead.py`), against the fixed chain it "
+    "would choose, call by call interleaved: **bare** is its loop with a policy that always answers that chain and "
+    "learns nothing; **policy** its policy rating, learning and measuring as usual but drafting that chain; **auto** "
+    "as it is. Each cell: the median over calls of the call's time over the fixed chain's (1.03×: 3% slower). "
+    "**Policy**: its Python per step (`next` and `observe_step`), of a whole step.")
+
+
 def render_auto_overhead(source: Source) -> list[str]:
-    runs = source.data["runs"]
-    out = [
-        "What `speculative=\"auto\"`'s own work costs a call (`benchmarks/auto_overhead.py`), against the fixed "
-        "chain it would choose, call by call interleaved: **bare** is its loop with a policy that always answers that "
-        "chain and learns nothing; **policy** its policy rating, learning and measuring as usual but drafting that "
-        "chain; **auto** as it is. Each cell: the median over calls of the call's time over the fixed chain's "
-        "(1.03×: 3% slower). **Policy**: its Python per step (`next` and `observe_step`), of a whole step.", "",
-        *(f"- **{label}:** code {run.get('code', 'unrecorded')}, {machine_text(run.get('machine'))}"
-          for label, run in runs.items()),
-        f"- **Data:** {result_link(source.name)}", "",
-    ]
     rows = [[label, r["model"], str(r["batch_size"]), f"k={r['chain']}", *(f"{num(r[key], 3)}×" for key in (
         "bare", "policy", "auto")), f"{r['policy_us_per_step']:.0f} µs of {num(r['step_ms'])} ms"]
-            for label, run in runs.items() for r in run["rows"]]
-    return out + table(["code", "model", "batch", "fixed chain", "bare", "policy", "auto", "policy per step"], rows)
+            for label, run in source.data["runs"].items() for r in run["rows"]]
+    return [AUTO_OVERHEAD, "", *run_lines(source, lambda run: f"code {run.get('code', 'unrecorded')}, "
+                                                             f"{machine_text(run.get('machine'))}"),
+            *table(["code", "model", "batch", "fixed chain", "bare", "policy", "auto", "policy per step"], rows)]
 
 
 # ----------------------------------------------------------------------------------------------- decode_roofline.py
