@@ -90,6 +90,40 @@ def test_the_cost_model_learns_the_machines_step_costs():
                                                   rel=0.02)
 
 
+def test_a_step_is_priced_as_the_medians_of_all_its_steps_say():
+    """The cost model recomputes a depth's median only when its own steps or the plain median changed: after every
+    observation of a random mix of plain steps, chains and trees (rows finishing, outliers), each step's price equals
+    one computed from scratch from the windows it learned (an independent, naive twin of ``StepCost.seconds``)."""
+    from statistics import median
+
+    from lightning_mtp.decoding.step_cost import MIN_SAMPLES, TOKEN_SHARE
+    from lightning_mtp.decoding.step_cost import _line as line
+
+    def naive(cost: StepCost, rows: int, tokens: int, drafts: int) -> float:
+        if len(cost.plain_steps) < MIN_SAMPLES:
+            return cost.seconds(rows, tokens, drafts)  # the prior (no medians yet)
+        plain = median(cost.plain_steps)
+        per_node = TOKEN_SHARE * plain
+        points = {d: median(s - plain - per_node * extra for s, extra in steps)
+                  for d, steps in sorted(cost.drafting_steps.items()) if len(steps) >= MIN_SAMPLES}
+        own = points.get(drafts)
+        overhead, per_depth = line(list(points.items())) if points else (0.0, (cost.draft_share + TOKEN_SHARE) * plain)
+        drafting = 0.0 if not drafts else (own if own is not None else overhead + per_depth * drafts) + (
+            per_node * rows * (tokens - 1 - drafts))
+        return cost.speed * max(plain + drafting, 0.1 * plain)
+
+    rng = random.Random(5)
+    cost = StepCost(draft_share=0.2)
+    shapes = [(1, 0), (2, 1), (3, 2), (4, 3), (7, 2)]  # (tokens, drafts): plain, chains of 1..3, a tree of depth 2
+    for _ in range(300):
+        tokens, drafts = rng.choice(shapes)
+        rows = rng.randint(1, 8)
+        seconds = (0.01 + 0.004 * drafts + 0.0005 * rows * tokens) * (4.0 if rng.random() < 0.05 else 1.0)
+        cost.observe(rows, tokens, drafts, seconds * rng.uniform(0.9, 1.1))
+        for tokens, drafts in shapes + [(5, 4)]:  # (5, 4): a depth never timed, on the line
+            assert cost.seconds(3, tokens, drafts) == pytest.approx(naive(cost, 3, tokens, drafts), rel=1e-9)
+
+
 def test_drafts_measured_while_the_machine_was_slow_are_not_priced_dear_after(switches):
     """Another process slows the machine by half for 40 steps while ``auto`` drafts; then it recovers. Learned
     as measured, the chain's window fills with slow steps while the few plain steps measured before stay fast: the
@@ -381,7 +415,7 @@ def test_autos_plain_steps_dispatch_what_the_plain_loops_do_and_the_drafters_fee
 def test_one_row_needs_no_per_row_summary(models):
     """Alone, a row's acceptance is the shared estimate and its budget ends the call: the decoding loop reads each
     row's accepted drafts and budget only in a batch of several rows (one step's host sync stays small), and a
-    one-row policy told them chooses exactly as one not told."""
+    one-row policy told them chooses exactly as one not told; the step prices it memoises are never stale."""
     from lightning_mtp.decoding.host import decoding_host
     from lightning_mtp.decoding.tree_policy import draft_plan
 
@@ -392,12 +426,12 @@ def test_one_row_needs_no_per_row_summary(models):
         assert steps.per_row is per_row
     machine = Machine(per_draft=0.3, accept=0.7, seed=3)
     told, untold = policy_for(), policy_for()
-    left, choices = 1000, Counter()  # tokens the row may still emit (150 steps emit at most 750)
-    for _ in range(150):
+    left, choices = 2000, Counter()  # tokens the row may still emit (400 steps emit at most 1600)
+    for _ in range(400):
         option = told.next()
         assert untold.next() == option
         choices[option and option.describe()] += 1
-        seconds = machine.seconds(option)
+        seconds = machine.seconds(option) * machine.rng.uniform(0.9, 1.1)  # (noise: every step moves the costs)
         accepted = 0
         while option is not None and accepted < option.depth and machine.rng.random() < 0.7:
             accepted += 1
@@ -405,4 +439,7 @@ def test_one_row_needs_no_per_row_summary(models):
         reached = [1] * accepted + [0] * ((option.depth if option else 0) - accepted)
         told.observe(option, 1, reached, seconds, rows=[accepted], remaining=[left])
         untold.observe(option, 1, reached, seconds)
+        for shape in told.options:  # its memoised step prices are the cost model's after every observation
+            tokens, drafts = (1, 0) if shape is None else (shape.num_nodes + 1, shape.depth)
+            assert told.seconds(shape) == told.memory.cost.seconds(1, tokens, drafts)
     assert len(choices) >= 3, choices  # measured options and the chosen ones
