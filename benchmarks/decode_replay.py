@@ -5,7 +5,10 @@ mechanisms are worth. Here the time of a step is taken out of the draw:
 
 1. **Costs.** Each option (a plain step, a chain of k drafts) is run alone through ``auto``'s own decoding loop (its
    choice forced) on the held-out prompts, and its step time is the median over those steps (each call's first step,
-   which fills the modules' caches over the prompt, left out), per batch size.
+   which fills the modules' caches over the prompt, left out), per batch size. A draft whose modules skipped
+   positions (steps of a shallower draft, or plain, came before) recomputes them first: what such a step takes beyond
+   a draft's cost, per position behind, is the median over passes that alternate plain steps and chains of 1 with the
+   deepest chain (``catch_up`` in the JSON, relative to a plain step).
 2. **Replay.** Every row decodes the prompts for real (its forwards, drafts and acceptance are the real ones), but the
    policy is told, for each step, the measured cost of the option it ran times a seeded log-normal noise
    (``--noise``, the spread of this machine's step times); the row's time is the sum of those costs without the
@@ -16,9 +19,9 @@ mechanisms are worth. Here the time of a step is taken out of the draw:
 
 Rows: plain, every fixed chain (1..D, and D + 1 for cascaded modules), the whole policy and the policy without each
 mechanism of ``--ablate`` (:data:`decode_ablation.MECHANISMS`), each after one warm-up pass over the prompts in its
-own memory, then ``--repeats`` passes. Assumptions: no EOS (every call emits ``--max-new-tokens``); the draft that
-follows plain steps (it catches the modules up) costs what a draft costs; the prefill is left out (the same for every
-row).
+own memory, then ``--repeats`` passes. Assumptions: no EOS (every call emits ``--max-new-tokens``); a draft costs
+its option's cost plus ``catch_up`` per position its modules are behind (0 in cost files without it); the prefill and
+the first step's catching up over the prompt are left out (the same for every row).
 
 Two mechanisms pay only when the machine changes, so two scenarios change it: ``--learned-on DRAW`` runs the warm-up
 pass on another set of step costs (relative to the same plain step) than the replayed passes (``explore``: options
@@ -71,21 +74,36 @@ class Replay:
         self.max_new_tokens = max_new_tokens
         self.force: Optional[int] = None  # drafts of every step (0: plain); None: the policy decides
         self.costs: Optional[dict[int, float]] = None  # drafts -> seconds of a step; None: real times, recorded
+        self.per_position = 0.0  # seconds a draft's modules take per position they catch up (added to its cost)
+        self.cycle: list[int] = []  # forced drafts in turn, step by step (measuring the catching up)
+        self.catching_up: list[tuple[int, int, float]] = []  # (drafts, positions behind, seconds) of such steps
+        self.behind: list[int] = []  # by depth: positions its module skipped since it last ran, in the call
         self.noise, self.rng = 0.0, random.Random(0)
         self.spell = (0.0, 1.0)  # (seconds, factor): steps that start in the first seconds of a row cost factor times
         self.measured: dict[int, list[float]] = {}
         self.seconds = 0.0
         self.steps: Counter = Counter()
 
-    def step(self, drafts: int, seconds: float, first: bool) -> float:
-        """The time the policy is told of a step of ``drafts`` (real: ``seconds``)."""
+    def step(self, drafts: int, seconds: float, first: bool, behind: int) -> float:
+        """The time the policy is told of a step of ``drafts`` whose modules were ``behind`` (real: ``seconds``)."""
         self.steps[drafts] += 1
         if self.costs is None:
             if not first and math.isfinite(seconds):
-                self.measured.setdefault(drafts, []).append(seconds)
+                if behind:
+                    self.catching_up.append((drafts, behind, seconds))
+                else:
+                    self.measured.setdefault(drafts, []).append(seconds)
             return seconds
-        cost = self._charge(drafts)
+        cost = self._charge(drafts, 0 if first else behind)
         return cost * math.exp(self.rng.gauss(0.0, self.noise)) if math.isfinite(seconds) else seconds
+
+    def caught_up(self, drafts: int, reached: list[int]) -> int:
+        """The positions a step of ``drafts`` caught up first (summed over its modules), as the chain drafter's
+        windows count them: a module not run falls behind by the most tokens a row gained in the step."""
+        behind = sum(self.behind[1 : drafts + 1])
+        gained = 1 + sum(hits > 0 for hits in reached[:drafts])
+        self.behind = [0 if depth <= drafts else skipped + gained for depth, skipped in enumerate(self.behind)]
+        return behind
 
     def retired(self) -> None:
         """A call decoded by the plain loop from its start: its plain steps."""
@@ -94,10 +112,11 @@ class Replay:
             for _ in range(self.max_new_tokens - 1):
                 self._charge(0)
 
-    def _charge(self, drafts: int) -> float:
-        """The modeled cost of a step of ``drafts`` (``spell[1]`` times dearer while the row's time is within the
-        slow spell), added to the row's ``seconds``."""
-        cost = self.costs[drafts] * (self.spell[1] if self.seconds < self.spell[0] else 1.0)
+    def _charge(self, drafts: int, behind: int = 0) -> float:
+        """The modeled cost of a step of ``drafts`` whose modules were ``behind`` (``spell[1]`` times dearer while
+        the row's time is within the slow spell), added to the row's ``seconds``."""
+        cost = (self.costs[drafts] + self.per_position * behind) * (self.spell[1] if self.seconds < self.spell[0]
+                                                                     else 1.0)
         self.seconds += cost
         return cost
 
@@ -108,21 +127,24 @@ def patched(replay: Replay) -> Iterator[Replay]:
     observe, init, choose = AutoSteps.observe_step, AutoSteps.__init__, AutoPolicy.next
 
     def observe_step(self, option, reached, active_rows, seconds, **rows):
-        told = replay.step(int(option or 0), seconds, first=self.policy.steps == 1)
+        behind = replay.caught_up(int(option or 0), reached)
+        told = replay.step(int(option or 0), seconds, first=self.policy.steps == 1, behind=behind)
         return observe(self, option, reached, active_rows, told, **rows)
 
     def start(self, policy, tree_mode):
         if tree_mode:
             raise ValueError("decode_replay replays chain options only")
         init(self, policy, tree_mode)
+        replay.behind = [0] * (policy.deepest + 1)  # (the prompt, which the first step catches up, left out)
         if self.retired:
             replay.retired()
 
     def next_option(self):
-        if replay.force is None:
+        if replay.force is None and not replay.cycle:
             return choose(self)
         self.steps += 1
-        return None if replay.force == 0 else next(o for o in self.options[1:] if o.depth == replay.force)
+        drafts = replay.cycle[self.steps % len(replay.cycle)] if replay.cycle else replay.force
+        return None if drafts == 0 else next(o for o in self.options[1:] if o.depth == drafts)
 
     AutoSteps.observe_step, AutoSteps.__init__, AutoPolicy.next = observe_step, start, next_option
     try:
@@ -143,17 +165,24 @@ def decode_all(model, batches, tokens: int, memory: dict, switches: Optional[dic
         vars(SWITCHES).update(saved)
 
 
-def step_costs(model, batches, tokens: int, options: list[int], repeats: int, replay: Replay) -> dict[int, float]:
-    """Median seconds of a step of each option (drafts; 0: plain), the options interleaved batch by batch (the
-    machine's drift reaches each alike)."""
-    replay.costs, replay.force, replay.measured = None, None, {}
+def step_costs(model, batches, tokens: int, options: list[int], repeats: int,
+               replay: Replay) -> tuple[dict[int, float], float]:
+    """(median seconds of a step of each option (drafts; 0: plain), seconds per position a draft catches up), the
+    options interleaved batch by batch (the machine's drift reaches each alike). The catching up: passes of three
+    plain steps, then of three chains of 1, each followed by two of the deepest chain (the first catches up)."""
+    replay.costs, replay.force, replay.measured, replay.catching_up = None, None, {}, []
+    deepest = options[-1]
     for _ in range(repeats):
         for chunk in batches:
             for drafts in options:
                 replay.force = drafts
                 decode_all(model, [chunk], tokens, {})
-    replay.force = None
-    return {drafts: statistics.median(replay.measured[drafts]) for drafts in options}
+            for replay.cycle in ([0, 0, 0, deepest, deepest], [1, 1, 1, deepest, deepest]):
+                decode_all(model, [chunk], tokens, {})
+    replay.force, replay.cycle = None, []
+    costs = {drafts: statistics.median(replay.measured[drafts]) for drafts in options}
+    extra = [(seconds - costs[drafts]) / behind for drafts, behind, seconds in replay.catching_up]
+    return costs, max(statistics.median(extra), 0.0) if extra else 0.0
 
 
 def replay_rows(model, batches, tokens: int, costs: dict[int, float], args, replay: Replay,
@@ -199,10 +228,12 @@ def scenario_name(args: argparse.Namespace) -> str:
     return f"{args.label} ({', '.join(changes)})" if changes else args.label
 
 
-def kept_costs(path: Path, label: str, batch: int) -> dict[int, float]:
-    """Seconds of a step of each option (drafts; 0: plain) that an earlier ``--out`` measured for ``label``."""
+def kept_costs(path: Path, label: str, batch: int) -> tuple[dict[int, float], float]:
+    """(seconds of a step of each option (drafts; 0: plain), seconds per position caught up) that an earlier
+    ``--out`` measured for ``label`` (0 where it did not measure the catching up)."""
     kept = json.loads(path.read_text())["step_costs"][label][str(batch)]
-    return {int(k): v * kept["plain_step_s"] for k, v in kept["relative"].items()}
+    plain = kept["plain_step_s"]
+    return {int(k): v * plain for k, v in kept["relative"].items()}, kept.get("catch_up", 0.0) * plain
 
 
 def load_model(args: argparse.Namespace):
@@ -231,16 +262,19 @@ def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> dict:
             batches = chunks(prompts, batch)
             decode_all(model, batches, args.max_new_tokens, {})  # warm-up: shapes measured, caches filled
             if args.costs_from is not None:  # the costs an earlier run measured (policy variants compared on them)
-                costs = kept_costs(args.costs_from, args.label, batch)
+                costs, replay.per_position = kept_costs(args.costs_from, args.label, batch)
             else:
-                costs = step_costs(model, batches, args.max_new_tokens, options, args.cost_repeats, replay)
+                costs, replay.per_position = step_costs(model, batches, args.max_new_tokens, options,
+                                                        args.cost_repeats, replay)
             learned_on = None
             if args.learned_on is not None:  # the same plain step, the other draw's drafting costs relative to it
-                relative = kept_costs(args.learned_on, args.label, batch)
+                relative = kept_costs(args.learned_on, args.label, batch)[0]
                 learned_on = {k: v / relative[0] * costs[0] for k, v in relative.items()}
             costs_out[str(batch)] = {"plain_step_s": costs[0], "relative": {str(k): v / costs[0]
-                                                                           for k, v in costs.items()}}
-            print(f"batch {batch}: step cost per plain step {costs_out[str(batch)]['relative']}", flush=True)
+                                                                           for k, v in costs.items()},
+                                     "catch_up": replay.per_position / costs[0]}
+            print(f"batch {batch}: step cost per plain step {costs_out[str(batch)]['relative']}, catching up "
+                  f"{costs_out[str(batch)]['catch_up']:.4f} per position", flush=True)
             for row in replay_rows(model, batches, args.max_new_tokens, costs, args, replay, learned_on):
                 rows.append({"model": name, "batch_size": batch, **row})
                 print(f"  {row['row']:22s} {row['vs_plain']:.3f}x plain  {row['vs_best_fixed']:.3f}x best fixed  "

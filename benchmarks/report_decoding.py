@@ -331,15 +331,19 @@ def render_decode_replay(source: Source) -> list[str]:
         "`speculative=\"auto\"` and its mechanisms judged without timing noise (`benchmarks/decode_replay.py`): "
         "each option's step (plain, a chain of k drafts) is timed first, alone, in `auto`'s own loop (median per "
         "batch size); then every row decodes the held-out prompts for real while the policy is told the measured "
-        "cost of each step it ran times a seeded log-normal noise, and the row's time is the sum of those costs. "
+        "cost of each step it ran times a seeded log-normal noise, and the row's time is the sum of those costs "
+        "(a draft's catching up its modules charged per position behind, where measured). "
         "Ratios are of modeled times: they compare decisions, not this machine's noise. **vs auto** below 1×: the "
         "mechanism paid.", "",
     ]
     out += runs_and_verdicts(source, "pays")
     for label, batch, rows in by_model_and_batch(data["rows"]):
-        costs = data.get("step_costs", {}).get(label, {}).get(str(batch), {}).get("relative", {})
+        costs = data.get("step_costs", {}).get(label, {}).get(str(batch), {})
+        catch_up = f"; catching up {costs['catch_up']:.4f} per position" if "catch_up" in costs else ""
+        relative = costs.get("relative", {})
         out += [f"**{label}, batch {batch}** (step cost in plain steps: "
-                + ", ".join(f"{'plain' if k == '0' else f'k={k}'} {num(v)}" for k, v in costs.items()) + ")", ""]
+                + ", ".join(f"{'plain' if k == '0' else f'k={k}'} {num(v)}" for k, v in relative.items())
+                + f"{catch_up})", ""]
         out += table(["row", "τ", "vs plain", "vs best fixed", "vs auto"],
                      [[r["row"], num(r["tau"]), f"{num(r['vs_plain'])}×", f"{num(r['vs_best_fixed'])}×",
                        f"{num(r['vs_auto'])}×"] for r in rows])

@@ -296,3 +296,70 @@ def test_the_overhead_benchmark_times_autos_loop_and_policy_beside_other_code(ti
             AutoPolicy.next, AutoPolicy.observe = unpatched[:2]
         drafted = stats.drafted_per_depth  # chains of up to 3 on offer; every step drafted 2
         assert drafted[0] == drafted[1] > 0 and drafted[2] == 0, (name, drafted)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_replay_counts_the_positions_a_draft_catches_up_as_the_drafter_does(batch):
+    """The replay charges a draft for the positions its modules skipped (``Replay.caught_up``); the chain drafter's
+    windows are the reference. Calls force plain steps and chains of 1..4 in turn; at every drafting step each
+    module's window is the one it had after it last ran plus the positions the replay counts it behind (the prompt,
+    which the replay leaves out, is the baseline; steps after a row could reach its budget are left out: a row cut
+    short moves less than its accepted drafts)."""
+    import torch
+    from test_decoding import VOCAB, draftable_model
+
+    from lightning_mtp.decoding import drafting
+
+    replay_module = load_benchmark("decode_replay")
+    model, budget, width = draftable_model("cascaded"), 72, 8
+    prompts = list(torch.randint(0, VOCAB, (batch, width), generator=torch.Generator().manual_seed(3)))
+    replay = replay_module.Replay(budget)
+    replay.cycle = [0, 1, 4, 4, 2, 0, 0, 3, 1, 1, 2, 4, 3, 0]
+    baseline: dict[int, dict[int, int]] = {}  # drafter state -> module -> its window after it last ran
+    checked, drafted_depths = [], set()
+    draft, commit = drafting.MTPDrafter.draft, drafting.MTPDrafter.commit
+
+    def counted_draft(self, state, tokens, newest, num_drafts, *args, **kwargs):
+        if int(newest.max()) - width + 1 + 2 * (self.max_drafts + 1) <= budget:  # every row has room
+            drafted_depths.add(num_drafts)
+            checked.append([(state.windows[k - 1], baseline[id(state)][k] + replay.behind[k])
+                            for k in range(1, self.max_drafts + 1)])
+        return draft(self, state, tokens, newest, num_drafts, *args, **kwargs)
+
+    def counted_commit(self, state, advanced):
+        ran = state.ran
+        commit(self, state, advanced)
+        if id(state) not in baseline:  # the prefill: every module's window is the prompt
+            baseline[id(state)] = {k: state.windows[k - 1] for k in range(1, self.max_drafts + 1)}
+        baseline[id(state)].update({k: state.windows[k - 1] for k in range(1, ran + 1)})
+
+    drafting.MTPDrafter.draft, drafting.MTPDrafter.commit = counted_draft, counted_commit
+    try:
+        with torch.inference_mode(), replay_module.patched(replay):
+            stats = replay_module.decode_all(model, replay_module.chunks(prompts, batch), budget, {})
+    finally:
+        drafting.MTPDrafter.draft, drafting.MTPDrafter.commit = draft, commit
+    assert len(checked) >= 12 and drafted_depths == {1, 2, 3, 4}, (len(checked), drafted_depths)
+    assert sum(stats["accepted_per_depth"]) > 0  # drafts were accepted: rows moved by more than one token
+    assert any(window > 4 for step in checked for window, _ in step)  # some module had fallen behind
+    for step in checked:
+        assert [window for window, _ in step] == [counted for _, counted in step]
+
+
+def test_the_replay_charges_a_draft_its_catching_up_and_reads_costs_without_it(tmp_path):
+    """A step is charged its option's cost plus the cost per position its modules were behind (the first step of a
+    call, which catches up over the prompt, only its option's); cost files without ``catch_up`` price it at 0."""
+    replay_module = load_benchmark("decode_replay")
+    replay = replay_module.Replay(8)
+    replay.costs, replay.per_position = {0: 1.0, 1: 2.0}, 0.25
+    assert replay.step(1, 1.0, first=False, behind=4) == pytest.approx(3.0)
+    assert replay.step(1, 1.0, first=True, behind=4) == pytest.approx(2.0)
+    assert replay.step(0, 1.0, first=False, behind=0) == pytest.approx(1.0)
+    assert replay.seconds == pytest.approx(6.0)
+    kept = {"step_costs": {"m": {"1": {"plain_step_s": 0.5, "relative": {"0": 1.0, "1": 1.5}}}}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(kept))
+    assert replay_module.kept_costs(path, "m", 1) == ({0: 0.5, 1: 0.75}, 0.0)
+    kept["step_costs"]["m"]["1"]["catch_up"] = 0.02
+    path.write_text(json.dumps(kept))
+    assert replay_module.kept_costs(path, "m", 1)[1] == pytest.approx(0.01)
