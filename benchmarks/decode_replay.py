@@ -115,8 +115,8 @@ class Replay:
     def _charge(self, drafts: int, behind: int = 0) -> float:
         """The modeled cost of a step of ``drafts`` whose modules were ``behind`` (``spell[1]`` times dearer while
         the row's time is within the slow spell), added to the row's ``seconds``."""
-        cost = (self.costs[drafts] + self.per_position * behind) * (self.spell[1] if self.seconds < self.spell[0]
-                                                                     else 1.0)
+        factor = self.spell[1] if self.seconds < self.spell[0] else 1.0
+        cost = (self.costs[drafts] + self.per_position * behind) * factor
         self.seconds += cost
         return cost
 
