@@ -162,3 +162,34 @@ def test_text_records_offering_tools_are_refused(tools_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^--data.corpus: 1 of 12 records have a 'tools' field, and they are not "
                                          r"chats"):
         dm.setup("fit")
+
+
+def test_a_chat_prompt_ending_in_a_tool_result_is_rendered_as_transformers_renders_it(tools_dir, tmp_path):
+    """OpenAI's format: the assistant turn that calls a tool has a null content; the prompt ends in the tool's result,
+    and the model answers from it (the same turns a training record may hold)."""
+    call = {"type": "function", "function": {"name": "search", "arguments": {"query": "glob"}}}
+    turns = [{"role": "user", "content": "Find the docs of glob."},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "name": "search", "content": "glob.glob(pattern): paths matching pattern"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": turns, "tools": [SEARCH]}) + "\n", encoding="utf-8")
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(20)), tools_dir, tmp_path,
+                    predict_prompts=str(prompts))
+    dm.setup("predict")
+    hf = AutoTokenizer.from_pretrained(str(tools_dir), local_files_only=True)
+    expected = hf.apply_chat_template(turns, tools=[SEARCH], tokenize=True, return_dict=True,
+                                      add_generation_prompt=True)["input_ids"]
+    assert dm.prompt_dataset().prompts == [list(expected)]
+    assert "paths matching pattern" in dm.prompt_dataset().texts[0]
+
+
+@pytest.mark.parametrize("turn, problem", [({"role": "user", "content": None}, "has NoneType content"),
+                                           ({"content": "Hi"}, "has no 'role' string")])
+def test_a_prompts_files_bad_turn_is_refused_naming_the_line_and_turn(tools_dir, tmp_path, turn, problem):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x = 1"}) + "\n" + json.dumps({"messages": [turn]}) + "\n",
+                       encoding="utf-8")
+    dm = datamodule(write_jsonl(tmp_path / "chat.jsonl", chat_records(20)), tools_dir, tmp_path,
+                    predict_prompts=str(prompts))
+    with pytest.raises(ValueError, match=rf"^--data.predict_prompts: turn 0 of .*prompts.jsonl:2 {problem}"):
+        dm.setup("predict")

@@ -95,11 +95,12 @@ class ChatEncoder:
         return {"input_ids": all_ids, "labels": all_labels, "length": [len(row) for row in all_ids]}
 
 
-def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
+def chat_turns(messages: Any, where: str = "a chat record", flag: str = "--data.messages_field") -> list[dict]:
     """A chat record's turns as the chat template gets them: each a ``{"role": str, "content": str}`` dict, whose
     other keys (``tool_calls``, ``name``...) are kept where the record has them; an assistant turn that calls tools
     may have no content (null, as OpenAI's format writes it). A key that is null is dropped: Arrow gives every turn
     of a file each key any turn has, and a template testing ``'tool_calls' in message`` must not see it on others.
+    A turn of another shape is refused naming ``flag`` and ``where``.
 
     Example::
 
@@ -107,7 +108,7 @@ def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
         [{'role': 'user', 'content': 'Hi'}]
     """
     if not isinstance(messages, list):
-        raise ValueError(f"--data.messages_field: {where} must be a list of {{'role': str, 'content': str}} turns, "
+        raise ValueError(f"{flag}: {where} must be a list of {{'role': str, 'content': str}} turns, "
                          f"got {type(messages).__name__} {str(messages)[:80]}")
     turns = []
     for number, turn in enumerate(messages):
@@ -118,7 +119,7 @@ def chat_turns(messages: Any, where: str = "a chat record") -> list[dict]:
             problem = (f"has {type(turn.get('content')).__name__} content (a string is needed; null only with "
                        "'tool_calls')")
         if problem is not None:
-            raise ValueError(f"--data.messages_field: turn {number} of {where} {problem}: {str(turn)[:120]}")
+            raise ValueError(f"{flag}: turn {number} of {where} {problem}: {str(turn)[:120]}")
         turns.append({key: value for key, value in turn.items() if value is not None or key == "content"})
     return turns
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
-from lightning_mtp.data.chat_records import TOOLS_FIELD, record_tools
+from lightning_mtp.data.chat_records import TOOLS_FIELD, chat_turns, record_tools
 
 
 class PromptDataset(Dataset):
@@ -190,11 +190,13 @@ def _jsonl_prompt(line: str, path: str, number: int) -> Union[str, list[dict]]:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"{PROMPTS_FLAG}: {path}:{number} is not valid JSON ({err.msg})") from None
-    # a chat: "messages", or a conversational prompt-completion record's "prompt" turns (trl's format)
+    # a chat: "messages", or a conversational prompt-completion record's "prompt" turns (trl's format), read as
+    # training reads a chat record's (an assistant turn calling tools may have a null content)
     turns = record.get("messages", record.get("prompt")) if isinstance(record, dict) else None
-    if isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("role"), str)
-                                       and isinstance(t.get("content"), str) for t in turns):
-        return ChatPrompt(turns, record_tools(record.get(TOOLS_FIELD), f"{path}:{number}", flag=PROMPTS_FLAG))
+    if isinstance(turns, list):
+        where = f"{path}:{number}"
+        return ChatPrompt(chat_turns(turns, where, flag=PROMPTS_FLAG),
+                          record_tools(record.get(TOOLS_FIELD), where, flag=PROMPTS_FLAG))
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         raise ValueError(f'{PROMPTS_FLAG}: {path}:{number} must be an object with a string "prompt" or a chat '
                          f'"messages" (or "prompt") list of {{"role", "content"}} turns, got {line[:80]!r}')
