@@ -120,7 +120,7 @@ class AutoPolicy:
         self._estimates, self._tokens, self._seconds, self._steps = {}, {}, {}, {}
         self.deepest = max(o.depth for o in options if o is not None)
         self.steps = 0
-        self.after_plain = True  # the last step was plain (or the prefill): the next draft catches up first
+        self.last_depth = 0  # the last step's draft depth (0: plain, or the prefill); a deeper draft catches up first
         self.measure: list[Optional[TreeShape]] = []  # the steps still to take to measure an option
         self.measuring = self.charged = False  # the step being taken measures an option (charged: not chosen)
         self.rated = 0.0  # the progress of the row with the most tokens left that the chosen draft was rated at
@@ -221,8 +221,8 @@ class AutoPolicy:
             option = self.to_measure(choice) if self.timings else NOTHING
             if option is NOTHING:
                 return self._took(choice, measuring=False)
-            # a draft after plain steps catches the modules up first (untimed): two steps
-            self.measure = [option] * (1 + (option is not None and self.after_plain))
+            # a draft deeper than the last step's catches up the modules that did not run first (untimed): two steps
+            self.measure = [option] * (1 + self.catches_up(option))
         return self._took(self.measure.pop(0), measuring=True)
 
     def to_measure(self, choice: Optional[TreeShape]) -> Any:
@@ -238,11 +238,15 @@ class AutoPolicy:
         if not self.switches.explore or not others:
             return NOTHING
         option = others[memory.turn % len(others)]
-        steps = 1 + (option is not None and self.after_plain)
+        steps = 1 + self.catches_up(option)
         if memory.measuring + steps * self.seconds(option) / self.seconds(None) > EXPLORE_SHARE * memory.decoded:
             return NOTHING
         memory.turn += 1  # (what measuring costs is charged as the steps are timed, catching up included)
         return option
+
+    def catches_up(self, option: Optional[TreeShape]) -> bool:
+        """Whether ``option`` is deeper than the last step: it first recomputes what its deeper modules skipped."""
+        return option is not None and option.depth > self.last_depth
 
     def _took(self, option: Optional[TreeShape], measuring: bool) -> Optional[TreeShape]:
         self.measuring = measuring
@@ -280,12 +284,12 @@ class AutoPolicy:
         if self.rated > 0 and longest is not None and rows is not None:  # the last row's realized over rated progress
             _count(self.memory.last_row, longest - max(self.remaining.values(), default=0), self.rated)
         self.rated = 0.0
-        catching_up, self.after_plain = option is not None and self.after_plain, option is None
+        catching_up, self.last_depth = self.catches_up(option), _depth_kind(option)[0]
         if self.measuring and self.charged:  # in plain steps: as timed (the catching-up step too), else as predicted
             timed = self.memory.cost.plain_timed and seconds > 0
             self.memory.measuring += (seconds if timed else self.seconds(option)) / self.seconds(None)
         if not self.timings or self.steps <= 1 or catching_up or not seconds > 0:
-            # untimed: a seeded call, its first step, a draft after plain steps (it catches the modules up), a nan time
+            # untimed: a seeded call, its first step, a draft deeper than the last (it catches modules up), a nan time
             return
         if self.switches.fit:
             tokens = 1 if option is None else option.num_nodes + 1

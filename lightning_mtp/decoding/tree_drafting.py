@@ -137,9 +137,7 @@ class MTPTreeDrafter:
         """Run depth k over its linear window and the tree ``nodes`` (depths 1..k-1, breadth-first; ``None``: none).
         Returns the outputs (B, W + M, H) and W: index W - 1 is the root's (the last linear position), W.. the
         nodes'."""
-        rows = state.rows
-        module = self.modules[self._module_index(k)]
-        cache = state.caches[k - 1]
+        rows, module, cache = state.rows, self.modules[self._module_index(k)], state.caches[k - 1]
         shift = k if self.cascaded else 1
         linear_end = newest - shift  # (B,)
         width = state.windows[k - 1]
@@ -148,8 +146,7 @@ class MTPTreeDrafter:
         linear = raw.clamp_min(0)  # (B, W) positions read (RoPE, inputs)
         # Entries at positions < 0 exist in no sequence (training computes none): they go to the cache's last slot,
         # which no real position reaches and no query sees, instead of overwriting position 0.
-        dump = cache.max_len - 1
-        linear_slots = torch.where(raw >= 0, raw, dump)
+        linear_slots = torch.where(raw >= 0, raw, cache.max_len - 1)
         source = state.hidden[k - 1] if self.cascaded else state.hidden[0]
         h_in = source[rows, linear]  # (B, W, H)
         emb = self.embed(tokens[rows, linear + k]) if self.cascaded else None  # Emb(t(j+k)), committed
@@ -206,8 +203,7 @@ class MTPTreeDrafter:
             values, tokens = logp.topk(count, dim=-1)
             return tokens, values, None
         q = logits_to_probs(logits / temperature, params.temperature, params.top_k, params.top_p)  # (B, F, V)
-        logq = torch.log(q)
-        keys = logq
+        keys = logq = torch.log(q)
         if sampled:  # Gumbel-top-b = `count` draws without replacement, in draw order
             uniform = torch.rand(q.shape, device=q.device, generator=generator).clamp_min(1e-20)
             keys = logq - torch.log(-torch.log(uniform))

@@ -29,8 +29,7 @@ class FixedTree:
     """Every step drafts the same tree (or chain) shape."""
 
     def __init__(self, shape: TreeShape) -> None:
-        self.shape = shape
-        self.max_nodes = shape.num_nodes + 1
+        self.shape, self.max_nodes = shape, shape.num_nodes + 1
 
     def next(self) -> TreeShape:
         return self.shape
